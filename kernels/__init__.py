@@ -1,0 +1,15 @@
+"""Kernels: each a plain PyTorch reference beside the dispatch function the models call."""
+
+from kernels.activation import silu_and_mul
+from kernels.attention import paged_attention, store_kv
+from kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from kernels.rotary import rotary_embedding
+
+__all__ = [
+    "fused_add_rms_norm",
+    "paged_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "store_kv",
+]

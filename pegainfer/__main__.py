@@ -1,0 +1,3 @@
+from pegainfer.cli import main
+
+main()

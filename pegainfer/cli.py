@@ -1,0 +1,130 @@
+"""The `pegainfer` command line."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from pegainfer.config import EngineConfig
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512M', '1073741824' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4GiB or 512MiB)")
+    number, unit = match.groups()
+    return int(float(number) * _SIZE_UNITS[unit])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pegainfer",
+        description="Serve a language model through an OpenAI-compatible HTTP API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model-path",
+        default=None,
+        help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json). "
+        "Default: the embedded SmolLM2-135M-Instruct, converted once into the cache directory.",
+    )
+    model.add_argument(
+        "--served-model-name", default=None, help="model name in the API (default: the dir name)"
+    )
+    model.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    model.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="context length in tokens, prompt plus output (0: the model's own)",
+    )
+
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="interface to bind the HTTP port to")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--num-tokenizers", type=int, default=1, help="tokenizer processes")
+    server.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    engine.add_argument(
+        "--max-num-seqs", type=int, default=256, help="most requests running in one batch"
+    )
+    engine.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="most tokens in one step; longer prompts are prefilled in chunks (0: automatic)",
+    )
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    engine.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=0,
+        help="KV-cache size on CPU, e.g. 2GiB (0: automatic)",
+    )
+    engine.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory for weights, activations and KV cache",
+    )
+    engine.add_argument(
+        "--no-prefix-cache",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn automatic prefix caching off",
+    )
+    engine.add_argument("--tensor-parallel-size", type=int, default=1)
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    for name in ("port", "max_num_seqs", "num_tokenizers", "block_size", "tensor_parallel_size"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"pegainfer: --{name.replace('_', '-')} must be at least 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise SystemExit("pegainfer: --gpu-memory-utilization must be in (0, 1]")
+    return EngineConfig(
+        model_path=args.model_path or "",
+        served_model_name=args.served_model_name or "",
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_tokenizers=args.num_tokenizers,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+        log_level=args.log_level,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    from pegainfer.launcher import serve
+
+    sys.exit(serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The engine configuration every process reads from the run directory.
+
+The launcher resolves the command line and the model's config.json into one ``EngineConfig``
+and writes it as ``config.json`` in the run directory; each child loads it from there, so a
+child started by hand against a running tree sees the same settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelInfo:
+    """What the light processes need to know about the model, read from its config.json."""
+
+    architecture: str
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    num_hidden_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_num_seqs: int = 256
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    max_num_batched_tokens: int = 0  # 0: derived from max_model_len and max_num_seqs
+    num_tokenizers: int = 1
+    block_size: int = 16
+    kv_cache_memory: int = 0  # bytes; 0: derived (CPU) or profiled (GPU)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    seed: int = 0
+    log_level: str = "info"
+    run_dir: str = ""
+    num_kv_blocks: int = 0  # set by the launcher from worker rank 0's report
+    model: ModelInfo | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        raw = json.loads(text)
+        model = raw.pop("model", None)
+        config = cls(**raw)
+        config.model = ModelInfo(**model) if model else None
+        return config
+
+    def save(self, run_dir: str) -> str:
+        path = os.path.join(run_dir, "config.json")
+        with open(path, "w") as f:
+            f.write(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, run_dir: str) -> EngineConfig:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            return cls.from_json(f.read())
+
+
+def read_model_info(model_path: str) -> ModelInfo:
+    """Read the architecture facts the scheduler, tokenizer and frontend need, without torch."""
+    config_file = os.path.join(model_path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{model_path} has no config.json; is it a model directory?")
+    with open(config_file) as f:
+        hf = json.load(f)
+    if "text_config" in hf:
+        hf = {**hf, **hf["text_config"]}
+    architectures = hf.get("architectures") or []
+    if not architectures:
+        raise ValueError(f"{config_file} names no architectures")
+    eos = hf.get("eos_token_id")
+    generation_config = os.path.join(model_path, "generation_config.json")
+    if os.path.isfile(generation_config):
+        with open(generation_config) as f:
+            eos = json.load(f).get("eos_token_id", eos)
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    num_heads = hf["num_attention_heads"]
+    return ModelInfo(
+        architecture=architectures[0],
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        eos_token_ids=eos_ids,
+        bos_token_id=hf.get("bos_token_id"),
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_kv_heads=hf.get("num_key_value_heads", num_heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        hidden_size=hf["hidden_size"],
+    )
+
+
+def finalize(config: EngineConfig) -> EngineConfig:
+    """Fill the derived fields once the model's info is known."""
+    assert config.model is not None
+    if config.max_model_len <= 0:
+        config.max_model_len = config.model.max_position_embeddings
+    if config.max_num_batched_tokens <= 0:
+        config.max_num_batched_tokens = max(2048, min(config.max_model_len, 8192))
+    return config

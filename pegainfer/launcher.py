@@ -1,0 +1,202 @@
+"""Starts the process tree, waits for it to be ready, watches it, and tears it down.
+
+Start order: workers, detokenizer and tokenizers together; the scheduler once the workers
+have reported the size of the KV cache; the frontend (and so the HTTP port) last, once every
+other process is ready. If any child dies, the rest are stopped and the launcher exits
+non-zero naming it. SIGINT and SIGTERM stop the whole tree. The run directory, with its
+sockets, is removed in every case.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import zmq
+
+from pegainfer import ipc, protocol
+from pegainfer.config import EngineConfig, finalize, read_model_info
+from pegainfer.manifest import write_manifest
+from pegainfer.process import PARENT_PID_ENV, set_process_title, setup_logging
+
+logger = logging.getLogger("pegainfer.launcher")
+
+STOP_GRACE_SECONDS = 5.0
+
+
+class ChildDied(RuntimeError):
+    pass
+
+
+class StopRequested(Exception):
+    pass
+
+
+class ProcessTree:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.run_dir = config.run_dir
+        self.children: dict[str, subprocess.Popen] = {}
+        self.ready: dict[str, protocol.ProcessReady] = {}
+        self.ctx = zmq.Context()
+        self.control = ipc.bind(self.ctx, zmq.PULL, self.run_dir, "launcher")
+        self.stop_signal: int | None = None
+
+    # -- children ---------------------------------------------------------
+
+    def spawn(self, name: str, module: str, *args: str) -> None:
+        env = dict(os.environ)
+        env[PARENT_PID_ENV] = str(os.getpid())
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        cmd = [sys.executable, "-m", module, "--run-dir", self.run_dir, *args]
+        self.children[name] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        logger.debug("started %s (pid %d): %s", name, self.children[name].pid, " ".join(cmd))
+        write_manifest(self.config, self.children)
+
+    def check_children(self) -> None:
+        if self.stop_signal is not None:
+            raise StopRequested
+        for name, proc in self.children.items():
+            code = proc.poll()
+            if code is not None:
+                raise ChildDied(
+                    f"process pegainfer::{name} (pid {proc.pid}) {_describe_exit(code)}"
+                )
+
+    def wait_ready(self, names: list[str]) -> None:
+        waiting = set(names)
+        while waiting:
+            self.check_children()
+            msg = ipc.recv(self.control, (protocol.ProcessReady,), "launcher", timeout_ms=100)
+            if msg is None:
+                continue
+            self.ready[msg.name] = msg
+            waiting.discard(msg.name)
+            logger.info("%s ready (pid %d)", msg.name, msg.pid)
+
+    def stop(self) -> None:
+        alive = [p for p in self.children.values() if p.poll() is None]
+        for proc in alive:
+            _signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for proc in alive:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(proc, signal.SIGKILL)
+                proc.wait()
+        self.control.close()
+        self.ctx.term()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    # -- lifecycle --------------------------------------------------------
+
+    def start(self) -> None:
+        config = self.config
+        t0 = time.monotonic()
+        worker_names = [f"worker-{rank}" for rank in range(config.tensor_parallel_size)]
+        for rank, name in enumerate(worker_names):
+            self.spawn(name, "worker_proc", "--rank", str(rank))
+        self.spawn("detokenizer", "detokenizer_proc")
+        tokenizer_names = [f"tokenizer-{i}" for i in range(config.num_tokenizers)]
+        for i, name in enumerate(tokenizer_names):
+            self.spawn(name, "frontend_proc.tokenizer_proc", "--index", str(i))
+        self.wait_ready(worker_names)
+
+        config.num_kv_blocks = int(self.ready["worker-0"].info["num_kv_blocks"])
+        config.save(self.run_dir)
+        self.spawn("scheduler", "scheduler_proc")
+        self.wait_ready(["detokenizer", *tokenizer_names, "scheduler"])
+
+        self.spawn("frontend", "frontend_proc")
+        self.wait_ready(["frontend"])
+        logger.info(
+            "serving %s on http://%s:%d/v1 (ready in %.1f s; run dir %s)",
+            config.served_model_name,
+            config.host,
+            config.port,
+            time.monotonic() - t0,
+            self.run_dir,
+        )
+
+    def watch(self) -> None:
+        while True:
+            self.check_children()
+            ipc.drain(self.control, (protocol.ProcessReady,), "launcher")
+            time.sleep(0.1)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def make_run_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if not base or not os.access(base, os.W_OK):
+        base = tempfile.gettempdir()
+    # mkdtemp creates the directory with mode 0700: only this user can reach the sockets.
+    return tempfile.mkdtemp(prefix=f"pegainfer-{os.getpid()}-", dir=base)
+
+
+def resolve_model(config: EngineConfig) -> EngineConfig:
+    if not config.model_path:
+        from pegainfer.default_model import default_model_dir
+
+        config.model_path = default_model_dir()
+    config.model_path = os.path.abspath(config.model_path)
+    config.model = read_model_info(config.model_path)
+    if not config.served_model_name:
+        config.served_model_name = os.path.basename(config.model_path.rstrip("/"))
+    return finalize(config)
+
+
+def serve(config: EngineConfig) -> int:
+    """Run the tree until it is stopped; the process exit code."""
+    set_process_title("launcher")
+    setup_logging("launcher", config.log_level)
+    try:
+        config = resolve_model(config)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        logger.error("cannot load the model: %s", exc)
+        return 2
+    config.run_dir = make_run_dir()
+    config.save(config.run_dir)
+
+    tree = ProcessTree(config)
+
+    def on_signal(signum: int, _frame) -> None:
+        tree.stop_signal = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        tree.start()
+        tree.watch()
+    except StopRequested:
+        logger.info("%s received: stopping", signal.Signals(tree.stop_signal).name)
+        return 0
+    except ChildDied as exc:
+        logger.error("%s; stopping the tree", exc)
+        return 1
+    finally:
+        tree.stop()
+        logger.info("stopped")
+    return 0

@@ -1,0 +1,122 @@
+"""What every child process does first: name itself, log with its name and pid, and make
+sure it never outlives the launcher."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+
+import zmq
+
+from pegainfer import ipc, protocol
+from pegainfer.config import EngineConfig
+
+PARENT_PID_ENV = "PEGAINFER_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+logger = logging.getLogger(__name__)
+
+
+def setup_logging(name: str, level: str = "info") -> None:
+    fmt = f"%(asctime)s %(levelname)s pegainfer::{name}[%(process)d] %(name)s: %(message)s"
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=fmt,
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def set_process_title(name: str) -> None:
+    title = f"pegainfer::{name}"
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # the name in every log line still identifies the process
+        pass
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, title[:15].encode(), 0, 0, 0)  # PR_SET_NAME: the comm shown by top
+    except (OSError, AttributeError):
+        pass
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def watch_parent(parent_pid: int, run_dir: str | None, interval: float = 0.5) -> None:
+    """Exit at once if the launcher is gone.
+
+    The parent-death signal covers most cases; this thread also covers a parent that died
+    between fork and prctl, and platforms without prctl. The first child to notice removes
+    the run directory, since no launcher is left to do it.
+    """
+
+    def loop() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                if run_dir:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                os._exit(1)
+            time.sleep(interval)
+
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+def init_child(name: str, run_dir: str) -> EngineConfig:
+    """Name the process, attach it to its launcher's lifetime, and load the engine config."""
+    set_process_title(name)
+    config = EngineConfig.load(run_dir)
+    setup_logging(name, config.log_level)
+    # Ctrl-C reaches the whole process group; only the launcher acts on it, and it then
+    # stops the children in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.environ.get(PARENT_PID_ENV)
+    if parent:
+        parent_pid = int(parent)
+        _set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        watch_parent(parent_pid, run_dir)
+        signal.signal(signal.SIGTERM, lambda *_: _exit_on_sigterm(parent_pid, run_dir))
+    return config
+
+
+def _exit_on_sigterm(parent_pid: int, run_dir: str) -> None:
+    # SIGTERM comes from the launcher stopping the tree, or from the parent-death signal;
+    # in the second case no launcher is left to remove the run directory.
+    if os.getppid() != parent_pid:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    logging.shutdown()
+    os._exit(0)
+
+
+def child_args(description: str, with_rank: bool = False) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--run-dir", required=True, help="the instance's run directory")
+    if with_rank:
+        parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--index", type=int, default=0, help="index among processes of a role")
+    return parser.parse_args()
+
+
+def report_ready(ctx: zmq.Context, run_dir: str, name: str, **info) -> None:
+    sock = ipc.connect(ctx, zmq.PUSH, run_dir, "launcher")
+    ipc.send(sock, protocol.ProcessReady(name=name, pid=os.getpid(), info=info))
+    # LINGER is 0 on our sockets; give the message a moment to leave before closing.
+    time.sleep(0.05)
+    sock.close(linger=1000)

