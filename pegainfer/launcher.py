@@ -70,7 +70,7 @@ class ProcessTree:
                 )
 
     def wait_ready(self, names: list[str]) -> None:
-        waiting = set(names)
+        waiting = set(names) - set(self.ready)
         while waiting:
             self.check_children()
             msg = ipc.recv(self.control, (protocol.ProcessReady,), "launcher", timeout_ms=100)

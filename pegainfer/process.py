@@ -115,6 +115,7 @@ def child_args(description: str, with_rank: bool = False) -> argparse.Namespace:
 
 
 def report_ready(ctx: zmq.Context, run_dir: str, name: str, **info) -> None:
+    logger.info("ready %s", " ".join(f"{k}={v}" for k, v in info.items()))
     sock = ipc.connect(ctx, zmq.PUSH, run_dir, "launcher")
     ipc.send(sock, protocol.ProcessReady(name=name, pid=os.getpid(), info=info))
     # LINGER is 0 on our sockets; give the message a moment to leave before closing.

@@ -78,7 +78,8 @@ class Server:
         return found
 
     def log(self) -> str:
-        self.log_file.flush()
+        if not self.log_file.closed:
+            self.log_file.flush()
         with open(self.log_path) as f:
             return f.read()
 

@@ -128,7 +128,7 @@ def test_chat_usage_counts_the_template(client, model_name, smollm2_dir):
         {"role": "user", "content": "Name a colour."},
     ]
     expected = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    if isinstance(expected, dict):
+    if hasattr(expected, "keys"):  # transformers 5 returns a BatchEncoding
         expected = expected["input_ids"]
     out = client.chat.completions.create(
         model=model_name, messages=messages, max_tokens=5, temperature=0
@@ -237,7 +237,7 @@ def test_disconnect_mid_stream_aborts_the_request(server):
     body = {"prompt": "Once upon a time", "max_tokens": 900, "stream": True, "ignore_eos": True}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
-    first = resp.fp.readline().decode()
+    first = resp.readline().decode()
     request_id = json.loads(first.removeprefix("data: "))["id"]
     conn.sock.close()
     conn.close()

@@ -1,0 +1,3 @@
+from detokenizer_proc.main import main
+
+main()

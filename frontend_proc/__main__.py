@@ -1,0 +1,55 @@
+"""The frontend process: ``python -m frontend_proc --run-dir DIR``.
+
+It binds the engine sockets, then the HTTP port, and only then reports ready: the launcher
+starts it last and treats its ready report as "the server is up".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import uvloop
+import zmq
+from aiohttp import web
+
+from frontend_proc.app import create_app
+from frontend_proc.engine_client import EngineClient
+from pegainfer.config import EngineConfig
+from pegainfer.process import child_args, init_child, report_ready
+
+logger = logging.getLogger(__name__)
+
+NAME = "frontend"
+
+
+async def serve(config: EngineConfig, run_dir: str) -> None:
+    engine = EngineClient(run_dir)
+    engine.start()
+    app = create_app(config, engine)
+    # handler_cancellation: a client that disconnects cancels its handler, whose cleanup then
+    # aborts its requests in the engine.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, backlog=1024)
+    await site.start()
+    addresses = runner.addresses
+    port = addresses[0][1] if addresses else config.port
+    logger.info("serving %s on http://%s:%d", config.served_model_name, config.host, port)
+    sync_ctx = zmq.Context()
+    report_ready(sync_ctx, run_dir, NAME, host=config.host, port=port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        await engine.close()
+
+
+def main() -> None:
+    args = child_args("pegainfer HTTP frontend")
+    config = init_child(NAME, args.run_dir)
+    uvloop.run(serve(config, args.run_dir))
+
+
+if __name__ == "__main__":
+    main()

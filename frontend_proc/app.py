@@ -1,0 +1,122 @@
+"""The aiohttp application: OpenAI routes, and one middleware that turns every failure into an
+OpenAI error body, so that no request can take the server down.
+
+The engine client is injected (``create_app(config, engine)``), so the HTTP layer is tested
+against a fake engine without any process tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from frontend_proc import jsonutil
+from frontend_proc.engine_client import EngineClientProtocol
+from frontend_proc.errors import INVALID_REQUEST, SERVER_ERROR, APIError, error_body, invalid
+from frontend_proc.serving_chat import create_chat_completion
+from frontend_proc.serving_common import ServingContext, json_response
+from frontend_proc.serving_completions import create_completion
+from pegainfer.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+CONTEXT_KEY = web.AppKey("serving_context", ServingContext)
+# Long prompts and conversations are far larger than aiohttp's 1 MiB default.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _http_error_message(request: web.Request, exc: web.HTTPException) -> str:
+    if exc.status == 404:
+        return f"Invalid URL ({request.method} {request.path})"
+    if exc.status == 405:
+        return f"Method {request.method} is not allowed for {request.path}"
+    # aiohttp's own errors (413 for a body over client_max_size, ...) say what went wrong in
+    # their text; the bare ones only repeat the status line.
+    return exc.text or exc.reason or f"HTTP {exc.status}"
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as exc:
+        if exc.status >= 500:
+            logger.error("%s %s failed: %s", request.method, request.path, exc.message)
+        return json_response(exc.body(), exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error_type = SERVER_ERROR if exc.status >= 500 else INVALID_REQUEST
+        response = json_response(
+            error_body(_http_error_message(request, exc), error_type), exc.status
+        )
+        if "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise  # the client is gone; there is no one to answer
+    except Exception:
+        logger.exception("%s %s failed", request.method, request.path)
+        return json_response(error_body("internal server error", SERVER_ERROR), 500)
+
+
+async def read_json(request: web.Request) -> Any:
+    data = await request.read()
+    if not data:
+        raise invalid("the request body is empty; it must be a JSON object")
+    try:
+        return jsonutil.loads(data)
+    except ValueError as exc:
+        raise invalid(f"the request body is not valid JSON: {exc}") from None
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT_KEY]
+    model = {
+        "id": ctx.served_model_name,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "pegainfer",
+        "root": ctx.model_path,
+        "parent": None,
+        "max_model_len": ctx.max_model_len,
+    }
+    return json_response({"object": "list", "data": [model]})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    return await create_completion(request, request.app[CONTEXT_KEY], body)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    return await create_chat_completion(request, request.app[CONTEXT_KEY], body)
+
+
+def create_app(config: EngineConfig, engine: EngineClientProtocol) -> web.Application:
+    max_model_len = config.max_model_len
+    if max_model_len <= 0 and config.model is not None:
+        max_model_len = config.model.max_position_embeddings
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[CONTEXT_KEY] = ServingContext(
+        served_model_name=config.served_model_name,
+        model_path=config.model_path,
+        max_model_len=max_model_len,
+        engine=engine,
+    )
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    return app

@@ -1,0 +1,158 @@
+"""What a tokenizer process does to one request, without sockets: render the chat template,
+tokenize, check the prompt against the vocabulary and the context window, and resolve
+``max_tokens``. Every user-caused problem is a 400 ``APIError``."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from frontend_proc.chat_template import ChatTemplate
+from frontend_proc.errors import SERVER_ERROR, APIError, invalid
+from pegainfer.protocol import (
+    GenerateRequest,
+    ProtocolError,
+    RequestRejected,
+    SamplingParams,
+    TokenizedRequest,
+    pack_ids,
+    unpack_ids,
+)
+
+FILL_CONTEXT = -1  # max_tokens meaning "whatever the context window has left"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+logger = logging.getLogger(__name__)
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    for token_id in ids:
+        if token_id < 0 or token_id >= vocab_size:
+            raise invalid(
+                f"token id {token_id} is out of vocabulary (the vocabulary has {vocab_size} ids)",
+                param,
+            )
+
+
+def resolve_max_tokens(
+    prompt_len: int, sampling: SamplingParams, max_model_len: int, is_chat: bool
+) -> SamplingParams:
+    """Check the request fits the context window; returns sampling with max_tokens resolved."""
+    where = "messages" if is_chat else "prompt"
+    if prompt_len == 0:
+        raise invalid(f"the {where} is empty after tokenization", where)
+    resolved = copy.copy(sampling)
+    resolved.stop_token_ids = list(sampling.stop_token_ids)
+    resolved.stop = list(sampling.stop)
+    if resolved.max_tokens == FILL_CONTEXT:
+        if prompt_len >= max_model_len:
+            raise invalid(
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"request has {prompt_len} input tokens, which leaves no room for the "
+                f"completion. Please reduce the length of the {where}.",
+                where,
+                CONTEXT_LENGTH_EXCEEDED,
+            )
+        resolved.max_tokens = max_model_len - prompt_len
+    elif prompt_len + resolved.max_tokens > max_model_len:
+        raise invalid(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + resolved.max_tokens} tokens ({prompt_len} in the {where}, "
+            f"{resolved.max_tokens} in the completion). Please reduce the length of the "
+            f"{where} or completion.",
+            where if prompt_len >= max_model_len else "max_tokens",
+            CONTEXT_LENGTH_EXCEEDED,
+        )
+    if resolved.max_tokens < 1:
+        raise invalid("'max_tokens' must be at least 1", "max_tokens")
+    if resolved.min_tokens > resolved.max_tokens:
+        raise invalid(
+            f"'min_tokens' ({resolved.min_tokens}) exceeds the {resolved.max_tokens} tokens "
+            "the completion may have",
+            "min_tokens",
+        )
+    return resolved
+
+
+class Preprocessor:
+    """Turns GenerateRequests into TokenizedRequests for one model."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate | None,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        chat_template_kwargs: dict[str, Any],
+    ) -> str:
+        if self.chat_template is None:
+            raise invalid(
+                "this model has no chat template; use /v1/completions instead", "messages"
+            )
+        return self.chat_template.render(messages, add_generation_prompt, chat_template_kwargs)
+
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        if request.messages is not None:
+            text = self.render_chat(
+                request.messages, request.add_generation_prompt, request.chat_template_kwargs
+            )
+            # The template already wrote every special token the model expects.
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        if request.prompt_token_ids is not None:
+            try:
+                ids = unpack_ids(request.prompt_token_ids)
+            except ProtocolError as exc:
+                raise invalid(f"malformed prompt token ids: {exc}", "prompt") from None
+            check_token_ids(ids, self.vocab_size, "prompt")
+            return ids
+        if request.prompt is not None:
+            # As HF's tokenizer(prompt) does: the post-processor adds BOS where the model wants it.
+            return self.tokenizer.encode(request.prompt, add_special_tokens=True).ids
+        raise invalid("the request has neither a prompt nor messages", "prompt")
+
+    def process(self, request: GenerateRequest) -> TokenizedRequest:
+        """Raises APIError for anything the client must fix."""
+        check_token_ids(request.sampling.stop_token_ids, self.vocab_size, "stop_token_ids")
+        ids = self.prompt_ids(request)
+        sampling = resolve_max_tokens(
+            len(ids), request.sampling, self.max_model_len, request.messages is not None
+        )
+        return TokenizedRequest(
+            request_id=request.request_id,
+            prompt_token_ids=pack_ids(ids),
+            sampling=sampling,
+            arrival_time=request.arrival_time,
+        )
+
+
+def handle(
+    preprocessor: Preprocessor, request: GenerateRequest
+) -> TokenizedRequest | RequestRejected:
+    """One request to its outcome; never raises, so one bad request cannot stop the process."""
+    try:
+        return preprocessor.process(request)
+    except APIError as exc:
+        return exc.to_rejection(request.request_id)
+    except RecursionError:
+        return invalid("the chat template recursed too deeply on this conversation").to_rejection(
+            request.request_id
+        )
+    except Exception as exc:  # noqa: BLE001 - a bug here must cost one request, not the process
+        logger.exception("request %s failed", request.request_id)
+        error = APIError(
+            500, f"internal error while tokenizing: {type(exc).__name__}", SERVER_ERROR
+        )
+        return error.to_rejection(request.request_id)

@@ -1,0 +1,194 @@
+"""Parse and validate the bodies of POST /v1/completions and /v1/chat/completions.
+
+The result is a typed request carrying a ready ``SamplingParams``. Every problem is a 400
+``APIError`` naming the offending field; unknown fields are ignored, since OpenAI clients
+send extras this server has no use for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from frontend_proc.errors import invalid, model_not_found
+from frontend_proc.fields import (
+    MAX_INT32,
+    MAX_SEED,
+    MIN_SEED,
+    get_bool,
+    get_float,
+    get_int,
+    get_int_list,
+    get_object,
+    get_stop,
+    get_str,
+)
+from frontend_proc.messages import parse_messages
+from frontend_proc.prompts import Prompt, parse_prompt
+from pegainfer.protocol import SamplingParams
+
+# The most choices one request may ask for, as OpenAI allows.
+MAX_N = 128
+# The most top logprobs per token a request may ask for.
+MAX_LOGPROBS = 20
+# Chat without max_tokens: "fill the remaining context", resolved by the tokenizer process.
+FILL_CONTEXT = -1
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+@dataclass
+class CommonOptions:
+    model: str
+    sampling: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    user: str | None
+
+
+@dataclass
+class CompletionRequest:
+    model: str
+    prompts: list[Prompt]
+    sampling: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None
+    user: str | None = None
+    return_token_ids: bool = False
+
+
+@dataclass
+class ChatCompletionRequest:
+    model: str
+    messages: list[dict[str, Any]]
+    sampling: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    user: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+
+
+def require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    return body
+
+
+def _model(body: dict[str, Any], served_model_name: str) -> str:
+    model = get_str(body, "model", served_model_name)
+    if model != served_model_name:
+        raise model_not_found(model)
+    return model
+
+
+def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
+    top_k = get_int(body, "top_k", -1, lo=-1, hi=MAX_INT32)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=get_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        top_p=get_float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        top_k=-1 if top_k == 0 else top_k,  # 0 and -1 both mean "off"
+        min_p=get_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        seed=get_int(body, "seed", None, lo=MIN_SEED, hi=MAX_SEED),
+        min_tokens=get_int(body, "min_tokens", 0, lo=0, hi=MAX_INT32),
+        ignore_eos=get_bool(body, "ignore_eos", False),
+        stop_token_ids=get_int_list(body, "stop_token_ids"),
+        stop=get_stop(body),
+        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+        presence_penalty=get_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=get_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        repetition_penalty=get_float(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
+        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+    )
+
+
+def _common(body: dict[str, Any], served_model_name: str, max_tokens: int) -> CommonOptions:
+    model = _model(body, served_model_name)
+    sampling = _sampling(body, max_tokens)
+    if max_tokens != FILL_CONTEXT and sampling.min_tokens > max_tokens:
+        raise invalid(
+            f"'min_tokens' ({sampling.min_tokens}) must not exceed 'max_tokens' ({max_tokens})",
+            "min_tokens",
+        )
+    stream = get_bool(body, "stream", False)
+    stream_options = get_object(body, "stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not stream:
+            raise invalid(
+                "'stream_options' is only allowed when 'stream' is true", "stream_options"
+            )
+        include_usage = get_bool(stream_options, "include_usage", False)
+    return CommonOptions(
+        model=model,
+        sampling=sampling,
+        n=get_int(body, "n", 1, lo=1, hi=MAX_N),
+        stream=stream,
+        include_usage=include_usage,
+        user=get_str(body, "user", None),
+    )
+
+
+def parse_completion_request(body: Any, served_model_name: str) -> CompletionRequest:
+    body = require_object(body)
+    if body.get("prompt") is None:
+        raise invalid("'prompt' is required", "prompt")
+    prompts = parse_prompt(body["prompt"])
+    max_tokens = get_int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1, hi=MAX_INT32)
+    common = _common(body, served_model_name, max_tokens)
+    logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    common.sampling.logprobs = logprobs
+    echo = get_bool(body, "echo", False)
+    if echo and any(not isinstance(prompt, str) for prompt in prompts):
+        # Echoing token ids needs detokenization, which the frontend does not do.
+        raise invalid("'echo' is only supported with text prompts", "echo")
+    return CompletionRequest(
+        model=common.model,
+        prompts=prompts,
+        sampling=common.sampling,
+        n=common.n,
+        stream=common.stream,
+        include_usage=common.include_usage,
+        echo=echo,
+        logprobs=logprobs,
+        user=common.user,
+        return_token_ids=get_bool(body, "return_token_ids", False),
+    )
+
+
+def parse_chat_request(body: Any, served_model_name: str) -> ChatCompletionRequest:
+    body = require_object(body)
+    if body.get("messages") is None:
+        raise invalid("'messages' is required", "messages")
+    messages = parse_messages(body["messages"])
+    max_tokens = get_int(body, "max_tokens", FILL_CONTEXT, lo=1, hi=MAX_INT32)
+    # The newer name wins: OpenAI deprecated max_tokens for chat in its favour.
+    max_tokens = get_int(body, "max_completion_tokens", max_tokens, lo=1, hi=MAX_INT32)
+    common = _common(body, served_model_name, max_tokens)
+    logprobs = get_bool(body, "logprobs", False)
+    top_logprobs = get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if top_logprobs is not None and not logprobs:
+        raise invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    if logprobs:
+        common.sampling.logprobs = top_logprobs or 0
+    kwargs = get_object(body, "chat_template_kwargs")
+    return ChatCompletionRequest(
+        model=common.model,
+        messages=messages,
+        sampling=common.sampling,
+        n=common.n,
+        stream=common.stream,
+        include_usage=common.include_usage,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        user=common.user,
+        chat_template_kwargs=dict(kwargs or {}),
+        add_generation_prompt=get_bool(body, "add_generation_prompt", True),
+    )

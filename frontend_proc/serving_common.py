@@ -1,0 +1,177 @@
+"""What the completion and chat endpoints share: sub-request fan-out, per-choice state,
+usage arithmetic and the SSE stream driver."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from frontend_proc import jsonutil
+from frontend_proc.engine_client import EngineClientProtocol
+from frontend_proc.errors import SERVER_ERROR, APIError
+from frontend_proc.fanout import FanOut
+from pegainfer.protocol import SamplingParams, TextDelta, unpack_ids
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # proxies must not hold tokens back
+}
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class ServingContext:
+    served_model_name: str
+    model_path: str
+    max_model_len: int
+    engine: EngineClientProtocol
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def update(self, delta: TextDelta) -> None:
+        if delta.text:
+            self.text_parts.append(delta.text)
+        if delta.token_ids:
+            self.token_ids.extend(unpack_ids(delta.token_ids))
+        # Token counts on a delta are running totals.
+        self.prompt_tokens = delta.prompt_tokens
+        self.completion_tokens = delta.completion_tokens
+        self.cached_tokens = delta.cached_tokens
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sub_request_id(request_id: str, choice_index: int) -> str:
+    return f"{request_id}-{choice_index}"
+
+
+def sampling_for_choice(sampling: SamplingParams, k: int) -> SamplingParams:
+    """The k-th of n samples of one prompt; a seeded request gets distinct but reproducible
+    seeds, or its n choices would all be the same text."""
+    if k == 0 or sampling.seed is None:
+        return sampling
+    child = copy.copy(sampling)
+    child.seed = (sampling.seed + k + 2**63) % 2**64 - 2**63
+    return child
+
+
+def usage(states: list[ChoiceState], n: int) -> dict[str, Any]:
+    """OpenAI counts each prompt once, however many choices were sampled from it."""
+    prompt_tokens = sum(states[start].prompt_tokens for start in range(0, len(states), n))
+    cached_tokens = sum(states[start].cached_tokens for start in range(0, len(states), n))
+    completion_tokens = sum(state.completion_tokens for state in states)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def json_response(body: dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(body=jsonutil.dumps(body), status=status, content_type="application/json")
+
+
+def sse_event(body: dict[str, Any]) -> bytes:
+    return b"data: " + jsonutil.dumps(body) + b"\n\n"
+
+
+async def collect(fan: FanOut, states: list[ChoiceState]) -> None:
+    async for index, delta in fan:
+        states[index].update(delta)
+
+
+class StreamWriter:
+    """Drives one SSE response: chunks, an error event if something fails after the stream
+    started, and the closing [DONE]. The response status is chosen only once the first event
+    is in, so that a request rejected before producing anything still gets its 4xx."""
+
+    def __init__(
+        self,
+        http_request: web.Request,
+        fan: FanOut,
+        states: list[ChoiceState],
+        chunk_for: Callable[[int, TextDelta, ChoiceState], list[dict[str, Any]]],
+        preamble: Callable[[], list[dict[str, Any]]] = list,
+        final: Callable[[], list[dict[str, Any]]] = list,
+    ) -> None:
+        self.http_request = http_request
+        self.fan = fan
+        self.states = states
+        self.chunk_for = chunk_for
+        self.preamble = preamble
+        self.final = final
+
+    async def run(self) -> web.StreamResponse:
+        events = aiter(self.fan)
+        # A rejection here propagates and becomes an ordinary error response.
+        first = await anext(events, None)
+        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        await response.prepare(self.http_request)
+        try:
+            await self._write(response, self.preamble())
+            if first is not None:
+                await self._deliver(response, *first)
+                async for index, delta in events:
+                    await self._deliver(response, index, delta)
+            await self._write(response, self.final())
+        except APIError as exc:
+            await self._write_error(response, exc)
+        except ConnectionResetError:
+            logger.info("client went away during a stream")
+            return response
+        except Exception:
+            logger.exception("a stream failed")
+            await self._write_error(response, APIError(500, "internal server error", SERVER_ERROR))
+        try:
+            await response.write(DONE)
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
+        return response
+
+    async def _deliver(self, response: web.StreamResponse, index: int, delta: TextDelta) -> None:
+        state = self.states[index]
+        state.update(delta)
+        await self._write(response, self.chunk_for(index, delta, state))
+
+    async def _write(self, response: web.StreamResponse, chunks: list[dict[str, Any]]) -> None:
+        if chunks:
+            await response.write(b"".join(sse_event(chunk) for chunk in chunks))
+
+    async def _write_error(self, response: web.StreamResponse, exc: APIError) -> None:
+        try:
+            await response.write(sse_event(exc.body()))
+        except ConnectionResetError:
+            pass

@@ -1,0 +1,121 @@
+"""POST /v1/completions: fan a batch of prompts times n out to the engine, and answer with one
+``text_completion`` body or an SSE stream of chunks."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+
+from frontend_proc.fanout import FanOut
+from frontend_proc.schemas import CompletionRequest, parse_completion_request
+from frontend_proc.serving_common import (
+    ChoiceState,
+    ServingContext,
+    StreamWriter,
+    collect,
+    json_response,
+    new_request_id,
+    sampling_for_choice,
+    sub_request_id,
+    usage,
+)
+from pegainfer.protocol import GenerateRequest, TextDelta, pack_ids
+
+
+def build_sub_requests(request_id: str, request: CompletionRequest) -> list[GenerateRequest]:
+    arrival_time = time.time()
+    subs = []
+    for prompt_index, prompt in enumerate(request.prompts):
+        for k in range(request.n):
+            is_text = isinstance(prompt, str)
+            subs.append(
+                GenerateRequest(
+                    request_id=sub_request_id(request_id, prompt_index * request.n + k),
+                    prompt=prompt if is_text else None,
+                    prompt_token_ids=None if is_text else pack_ids(prompt),
+                    messages=None,
+                    chat_template_kwargs={},
+                    add_generation_prompt=False,
+                    sampling=sampling_for_choice(request.sampling, k),
+                    arrival_time=arrival_time,
+                )
+            )
+    return subs
+
+
+def _echo_prefix(request: CompletionRequest, index: int) -> str:
+    if not request.echo:
+        return ""
+    prompt = request.prompts[index // request.n]
+    return prompt if isinstance(prompt, str) else ""
+
+
+def _choice(index: int, text: str, state: ChoiceState) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": state.finish_reason,
+        "stop_reason": state.stop_reason,
+    }
+
+
+async def create_completion(
+    http_request: web.Request, ctx: ServingContext, body: Any
+) -> web.StreamResponse:
+    request = parse_completion_request(body, ctx.served_model_name)
+    request_id = new_request_id("cmpl")
+    created = int(time.time())
+    subs = build_sub_requests(request_id, request)
+    states = [ChoiceState() for _ in subs]
+    header = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": request.model,
+    }
+
+    if not request.stream:
+        async with FanOut(ctx.engine, subs) as fan:
+            await collect(fan, states)
+        choices = [
+            _choice(index, _echo_prefix(request, index) + state.text, state)
+            for index, state in enumerate(states)
+        ]
+        if request.return_token_ids:
+            # An extension: the generated token ids of each choice, for exact comparisons.
+            for choice, state in zip(choices, states):
+                choice["token_ids"] = state.token_ids
+        return json_response({**header, "choices": choices, "usage": usage(states, request.n)})
+
+    usage_field = {"usage": None} if request.include_usage else {}
+
+    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+        return {**header, "choices": [choice], **usage_field}
+
+    def preamble() -> list[dict[str, Any]]:
+        if not request.echo:
+            return []
+        empty = ChoiceState()
+        return [
+            chunk(_choice(index, _echo_prefix(request, index), empty)) for index in range(len(subs))
+        ]
+
+    def chunk_for(index: int, delta: TextDelta, state: ChoiceState) -> list[dict[str, Any]]:
+        # An empty delta carries nothing unless it ends the choice.
+        if not delta.text and delta.finish_reason is None:
+            return []
+        finished = delta.finish_reason is not None
+        choice = _choice(index, delta.text, state if finished else ChoiceState())
+        return [chunk(choice)]
+
+    def final() -> list[dict[str, Any]]:
+        if not request.include_usage:
+            return []
+        return [{**header, "choices": [], "usage": usage(states, request.n)}]
+
+    async with FanOut(ctx.engine, subs) as fan:
+        writer = StreamWriter(http_request, fan, states, chunk_for, preamble, final)
+        return await writer.run()

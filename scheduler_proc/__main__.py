@@ -1,0 +1,3 @@
+from scheduler_proc.main import main
+
+main()

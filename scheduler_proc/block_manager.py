@@ -1,0 +1,145 @@
+"""Logical KV cache blocks: which are free, which are owned by sequences, and how often.
+
+The scheduler hands out block ids; the workers own the physical tensors behind them. A block
+is in exactly one state at a time:
+
+- FREE: unreferenced and holding nothing worth keeping; it sits in the free queue.
+- OWNED: referenced by one or more sequences (ref count > 0).
+- CACHED: unreferenced but holding a full block of a known prefix, so it can be reused by a
+  later request with the same prefix, or evicted (least recently freed first) when the free
+  queue runs dry. Nothing produces this state yet; the prefix cache will, and the accounting
+  here (``num_free_blocks`` counts evictable cached blocks, ``check_invariants`` checks the
+  state sets are disjoint and complete) is already shaped for it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from enum import Enum
+
+
+class BlockState(Enum):
+    FREE = "free"
+    OWNED = "owned"
+    CACHED = "cached"
+
+
+class OutOfBlocksError(RuntimeError):
+    """An allocation asked for more blocks than can be made free."""
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(
+                f"need positive num_blocks and block_size, got {num_blocks}, {block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # FIFO: a freed block goes to the back, so the blocks freed longest ago are reused
+        # first; with a prefix cache this keeps recently freed content around longest.
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref_counts: list[int] = [0] * num_blocks
+        # Unreferenced blocks with reusable content, least recently freed first (for LRU
+        # eviction). Keyed by block id; the value is the content hash.
+        self._cached: OrderedDict[int, int] = OrderedDict()
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can get right now: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks owned by sequences (0.0 to 1.0)."""
+        return self.num_used_blocks / self.num_blocks
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return blocks_for_tokens(num_tokens, self.block_size)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def state(self, block_id: int) -> BlockState:
+        if self._ref_counts[block_id] > 0:
+            return BlockState.OWNED
+        if block_id in self._cached:
+            return BlockState.CACHED
+        return BlockState.FREE
+
+    # -- changes ---------------------------------------------------------------------------
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` blocks, each with ref count 1. All or nothing."""
+        if num_blocks < 0:
+            raise ValueError(f"cannot allocate {num_blocks} blocks")
+        if not self.can_allocate(num_blocks):
+            raise OutOfBlocksError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        allocated = []
+        for _ in range(num_blocks):
+            if self._free:
+                block_id = self._free.popleft()
+            else:
+                # Evict the least recently freed cached block; its content is lost.
+                block_id, _ = self._cached.popitem(last=False)
+            self._ref_counts[block_id] = 1
+            allocated.append(block_id)
+        return allocated
+
+    def incref(self, block_ids: list[int]) -> None:
+        """Share already owned blocks with one more sequence."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] <= 0:
+                raise ValueError(f"block {block_id} is not owned; cannot share it")
+        for block_id in block_ids:
+            self._ref_counts[block_id] += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block; a block nobody references becomes free.
+
+        Blocks are released in reverse order, so that the tail of a sequence (the part least
+        likely to be shared) is reused first.
+        """
+        for block_id in block_ids:
+            if self._ref_counts[block_id] <= 0:
+                raise ValueError(f"block {block_id} freed more times than it was allocated")
+        for block_id in reversed(block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free.append(block_id)
+
+    # -- checking --------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every block is in exactly one state.
+
+        Meant for tests: it walks every block, so it is O(num_blocks).
+        """
+        free = list(self._free)
+        free_set = set(free)
+        assert len(free) == len(free_set), "a block is in the free queue twice"
+        cached_set = set(self._cached)
+        assert not free_set & cached_set, "a block is both free and cached"
+        for block_id, count in enumerate(self._ref_counts):
+            assert count >= 0, f"block {block_id} has ref count {count}"
+            in_free = block_id in free_set
+            in_cached = block_id in cached_set
+            if count > 0:
+                assert not in_free and not in_cached, f"owned block {block_id} is also free/cached"
+            else:
+                assert in_free or in_cached, f"unreferenced block {block_id} was lost"
+        assert all(0 <= b < self.num_blocks for b in free_set | cached_set), "foreign block id"

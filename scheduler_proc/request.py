@@ -1,0 +1,99 @@
+"""The scheduler's view of one request."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from enum import Enum
+
+from pegainfer.protocol import SamplingParams, SeqOutput, pack_ids
+
+_ONE_ID = struct.Struct("<i")
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One request across its whole life, including preemptions.
+
+    Token accounting, with steps possibly still in flight on the workers:
+
+    - ``output_token_ids``: tokens whose step results have arrived.
+    - ``num_pending_tokens``: tokens that in-flight steps will sample for this request; the
+      worker already knows them (it feeds them forward on the GPU), the scheduler does not.
+    - ``num_computed_tokens``: tokens whose KV is in the cache, or will be once the in-flight
+      steps finish. It is advanced when a step is scheduled, not when its result arrives.
+
+    Invariant while running: ``num_computed_tokens < num_known_tokens``, because every step
+    that brings the computed tokens up to the known length also samples one more token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    # Order of receipt; breaks ties between equal arrival times (FCFS and preemption order).
+    arrival_index: int
+    seq_id: int = -1  # -1 while waiting; a fresh id for every admission
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus the generated tokens the scheduler has seen."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """The sequence length the workers know: seen tokens plus those still in flight."""
+        return self.num_tokens + self.num_pending_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def priority_key(self) -> tuple[float, int]:
+        """Older requests sort first: they are served first and preempted last."""
+        return (self.arrival_time, self.arrival_index)
+
+    def to_output(self, new_token_ids: list[int]) -> SeqOutput:
+        """This step's report to the detokenizer: the new tokens and, once over, how it ended."""
+        if len(new_token_ids) == 1:  # the common case, packed without building an array
+            packed = _ONE_ID.pack(new_token_ids[0])
+        else:
+            packed = pack_ids(new_token_ids)
+        return SeqOutput(
+            request_id=self.request_id,
+            new_token_ids=packed,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_output_tokens,
+            cached_tokens=0,  # no prefix cache yet
+        )

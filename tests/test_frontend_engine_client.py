@@ -1,0 +1,92 @@
+"""EngineClient over real ZeroMQ sockets in one process: requests go out to the tokenizers,
+deltas and rejections come back to the right request, garbage is dropped, aborts reach the
+scheduler, and no per-request state is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from frontend_proc.engine_client import EngineClient
+from frontend_proc.errors import APIError
+from pegainfer import ipc, protocol
+from pegainfer.protocol import (
+    AbortRequests,
+    GenerateRequest,
+    RequestRejected,
+    SamplingParams,
+    TextDelta,
+    TextOutputs,
+)
+
+
+def generate_request(request_id: str) -> GenerateRequest:
+    return GenerateRequest(request_id, "hi", None, None, {}, False, SamplingParams(), 1.0)
+
+
+def text_delta(request_id: str, text: str, finish: str | None = None) -> TextDelta:
+    return TextDelta(request_id, text, b"", finish, None, 2, 1, 0)
+
+
+async def recv(sock: zmq.asyncio.Socket, expected: tuple[type, ...]):
+    data = await asyncio.wait_for(sock.recv(), timeout=5)
+    return protocol.decode(data, expected)
+
+
+def test_engine_client_round_trip(tmp_path):
+    run_dir = str(tmp_path)
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = EngineClient(run_dir)
+        engine.start()
+        tokenizer = ipc.connect(ctx, zmq.PULL, run_dir, "tokenizer")
+        scheduler = ipc.bind(ctx, zmq.PULL, run_dir, "scheduler")
+        detokenizer = ipc.connect(ctx, zmq.PUSH, run_dir, "frontend")
+        try:
+
+            async def consume(request_id: str) -> list[str]:
+                return [d.text async for d in engine.generate(generate_request(request_id))]
+
+            first = asyncio.ensure_future(consume("a"))
+            second = asyncio.ensure_future(consume("b"))
+            got = {(await recv(tokenizer, (GenerateRequest,))).request_id for _ in range(2)}
+            assert got == {"a", "b"} and engine.num_active == 2
+
+            await detokenizer.send(b"\x01\x02 not msgpack")  # dropped, not fatal
+            outputs = TextOutputs(
+                [text_delta("a", "x"), text_delta("zzz", "?"), text_delta("b", "1")]
+            )
+            await detokenizer.send(protocol.encode(outputs))
+            await detokenizer.send(protocol.encode(TextOutputs([text_delta("a", "y", "stop")])))
+            rejected = RequestRejected("b", 400, "too long", "invalid_request_error", None, None)
+            await detokenizer.send(protocol.encode(rejected))
+
+            assert await asyncio.wait_for(first, 5) == ["x", "y"]
+            with pytest.raises(APIError) as info:
+                await asyncio.wait_for(second, 5)
+            assert (info.value.status, info.value.message) == (400, "too long")
+            assert engine.num_active == 0
+
+            # A consumer cancelled mid-request leaves no queue behind.
+            third = asyncio.ensure_future(consume("c"))
+            await recv(tokenizer, (GenerateRequest,))
+            assert engine.num_active == 1
+            third.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await third
+            assert engine.num_active == 0
+
+            engine.abort(["c", "d"])
+            engine.abort([])  # sends nothing
+            abort = await recv(scheduler, (AbortRequests,))
+            assert abort.request_ids == ["c", "d"]
+            assert not await scheduler.poll(100)
+        finally:
+            await engine.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())

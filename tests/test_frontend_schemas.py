@@ -1,0 +1,284 @@
+"""Request validation: every malformed body is a 400 naming the field (or a 404 for a model
+this server does not serve), and valid bodies become the right SamplingParams."""
+
+from __future__ import annotations
+
+import pytest
+
+from frontend_proc.errors import APIError
+from frontend_proc.schemas import (
+    FILL_CONTEXT,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+MODEL = "served-model"
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def completion(**fields):
+    return {"model": MODEL, "prompt": "hello", **fields}
+
+
+def chat(**fields):
+    return {"model": MODEL, "messages": CHAT, **fields}
+
+
+COMPLETION_ERRORS = [
+    # (body, status, type, param)
+    ([1, 2], 400, "invalid_request_error", None),
+    ("just a string", 400, "invalid_request_error", None),
+    ({"model": MODEL}, 400, "invalid_request_error", "prompt"),
+    (completion(prompt=None), 400, "invalid_request_error", "prompt"),
+    (completion(prompt=42), 400, "invalid_request_error", "prompt"),
+    (completion(prompt=[]), 400, "invalid_request_error", "prompt"),
+    (completion(prompt=[[]]), 400, "invalid_request_error", "prompt"),
+    (completion(prompt=["a", 1]), 400, "invalid_request_error", "prompt"),
+    (completion(prompt=[1, "a"]), 400, "invalid_request_error", "prompt"),
+    (completion(prompt=[[1, 2], 3]), 400, "invalid_request_error", "prompt"),
+    (completion(prompt=[1, -5]), 400, "invalid_request_error", "prompt"),
+    (completion(prompt=[1, 2**40]), 400, "invalid_request_error", "prompt"),
+    (completion(prompt=[True, False]), 400, "invalid_request_error", "prompt"),
+    (completion(prompt={"text": "x"}), 400, "invalid_request_error", "prompt"),
+    (completion(max_tokens="ten"), 400, "invalid_request_error", "max_tokens"),
+    (completion(max_tokens=0), 400, "invalid_request_error", "max_tokens"),
+    (completion(max_tokens=-3), 400, "invalid_request_error", "max_tokens"),
+    (completion(max_tokens=1.5), 400, "invalid_request_error", "max_tokens"),
+    (completion(max_tokens=True), 400, "invalid_request_error", "max_tokens"),
+    (completion(temperature="hot"), 400, "invalid_request_error", "temperature"),
+    (completion(temperature=-0.1), 400, "invalid_request_error", "temperature"),
+    (completion(temperature=2.5), 400, "invalid_request_error", "temperature"),
+    (completion(temperature=float("nan")), 400, "invalid_request_error", "temperature"),
+    (completion(temperature=float("inf")), 400, "invalid_request_error", "temperature"),
+    (completion(top_p=0), 400, "invalid_request_error", "top_p"),
+    (completion(top_p=1.01), 400, "invalid_request_error", "top_p"),
+    (completion(top_k=-2), 400, "invalid_request_error", "top_k"),
+    (completion(top_k="5"), 400, "invalid_request_error", "top_k"),
+    (completion(min_p=1.5), 400, "invalid_request_error", "min_p"),
+    (completion(n=0), 400, "invalid_request_error", "n"),
+    (completion(n=1000), 400, "invalid_request_error", "n"),
+    (completion(seed="abc"), 400, "invalid_request_error", "seed"),
+    (completion(seed=2**70), 400, "invalid_request_error", "seed"),
+    (completion(stream="yes"), 400, "invalid_request_error", "stream"),
+    (
+        completion(stream_options={"include_usage": True}),
+        400,
+        "invalid_request_error",
+        "stream_options",
+    ),
+    (completion(stream=False, stream_options={}), 400, "invalid_request_error", "stream_options"),
+    (completion(stream=True, stream_options=[1]), 400, "invalid_request_error", "stream_options"),
+    (
+        completion(stream=True, stream_options={"include_usage": "y"}),
+        400,
+        "invalid_request_error",
+        "include_usage",
+    ),
+    (completion(stop=""), 400, "invalid_request_error", "stop"),
+    (completion(stop=[]), 400, "invalid_request_error", "stop"),
+    (completion(stop=["ok", ""]), 400, "invalid_request_error", "stop"),
+    (completion(stop=[1]), 400, "invalid_request_error", "stop"),
+    (completion(stop=5), 400, "invalid_request_error", "stop"),
+    (completion(stop_token_ids=[1, "2"]), 400, "invalid_request_error", "stop_token_ids"),
+    (completion(stop_token_ids=[-1]), 400, "invalid_request_error", "stop_token_ids"),
+    (completion(stop_token_ids=7), 400, "invalid_request_error", "stop_token_ids"),
+    (completion(ignore_eos=1), 400, "invalid_request_error", "ignore_eos"),
+    (completion(min_tokens=-1), 400, "invalid_request_error", "min_tokens"),
+    (completion(min_tokens=20, max_tokens=10), 400, "invalid_request_error", "min_tokens"),
+    (completion(presence_penalty=3), 400, "invalid_request_error", "presence_penalty"),
+    (completion(frequency_penalty=-2.5), 400, "invalid_request_error", "frequency_penalty"),
+    (completion(repetition_penalty=0), 400, "invalid_request_error", "repetition_penalty"),
+    (completion(echo="true"), 400, "invalid_request_error", "echo"),
+    (completion(prompt=[1, 2], echo=True), 400, "invalid_request_error", "echo"),
+    (completion(logprobs=21), 400, "invalid_request_error", "logprobs"),
+    (completion(logprobs=-1), 400, "invalid_request_error", "logprobs"),
+    (completion(logprobs=True), 400, "invalid_request_error", "logprobs"),
+    (completion(user=5), 400, "invalid_request_error", "user"),
+    (completion(model=7), 400, "invalid_request_error", "model"),
+    (completion(model="gpt-4"), 404, "invalid_request_error", "model"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "error_type", "param"), COMPLETION_ERRORS)
+def test_completion_errors(body, status, error_type, param):
+    with pytest.raises(APIError) as info:
+        parse_completion_request(body, MODEL)
+    err = info.value
+    assert (err.status, err.type, err.param) == (status, error_type, param), err.message
+    body_json = err.body()["error"]
+    assert set(body_json) == {"message", "type", "param", "code"}
+    assert body_json["message"]
+
+
+CHAT_ERRORS = [
+    ({"model": MODEL}, 400, "messages"),
+    (chat(messages="hi"), 400, "messages"),
+    (chat(messages=[]), 400, "messages"),
+    (chat(messages=["hi"]), 400, "messages"),
+    (chat(messages=[{"content": "hi"}]), 400, "messages"),
+    (chat(messages=[{"role": 1, "content": "hi"}]), 400, "messages"),
+    (chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages"),
+    (chat(messages=[{"role": "user"}]), 400, "messages"),
+    (chat(messages=[{"role": "user", "content": 5}]), 400, "messages"),
+    (chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400, "messages"),
+    (chat(messages=[{"role": "user", "content": ["text"]}]), 400, "messages"),
+    (
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        400,
+        "messages",
+    ),
+    (chat(messages=[{"role": "user", "content": "x", "tool_calls": []}]), 400, "messages"),
+    (chat(messages=[{"role": "assistant", "content": None}]), 400, "messages"),
+    (chat(messages=[{"role": "assistant", "content": None, "tool_calls": "x"}]), 400, "messages"),
+    (chat(messages=[{"role": "tool", "content": "x", "tool_call_id": 3}]), 400, "messages"),
+    (chat(max_tokens="ten"), 400, "max_tokens"),
+    (chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    (chat(temperature="hot"), 400, "temperature"),
+    (chat(logprobs=3), 400, "logprobs"),
+    (chat(top_logprobs=3), 400, "top_logprobs"),
+    (chat(logprobs=True, top_logprobs=25), 400, "top_logprobs"),
+    (chat(chat_template_kwargs="x"), 400, "chat_template_kwargs"),
+    (chat(add_generation_prompt="no"), 400, "add_generation_prompt"),
+    (chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    (chat(model="other"), 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), CHAT_ERRORS)
+def test_chat_errors(body, status, param):
+    with pytest.raises(APIError) as info:
+        parse_chat_request(body, MODEL)
+    assert (info.value.status, info.value.param) == (status, param), info.value.message
+
+
+def test_unknown_model_error_matches_openai():
+    with pytest.raises(APIError) as info:
+        parse_completion_request(completion(model="gpt-4"), MODEL)
+    assert info.value.body() == {
+        "error": {
+            "message": "The model `gpt-4` does not exist.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+
+
+def test_completion_defaults():
+    request = parse_completion_request({"prompt": "hello", "some_extra_field": {"x": 1}}, MODEL)
+    assert request.model == MODEL
+    assert request.prompts == ["hello"]
+    assert (request.n, request.stream, request.include_usage, request.echo) == (
+        1,
+        False,
+        False,
+        False,
+    )
+    s = request.sampling
+    assert s.max_tokens == 16
+    assert (s.temperature, s.top_p, s.top_k, s.min_p) == (1.0, 1.0, -1, 0.0)
+    assert (s.seed, s.stop, s.stop_token_ids, s.logprobs) == (None, [], [], None)
+
+
+def test_completion_fields_reach_sampling_params():
+    request = parse_completion_request(
+        completion(
+            prompt=[[1, 2], [3]],
+            max_tokens=7,
+            temperature=0,
+            top_p=0.5,
+            top_k=0,
+            min_p=0.1,
+            seed=42,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            stop="END",
+            stop_token_ids=[5, 6],
+            ignore_eos=True,
+            min_tokens=2,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            repetition_penalty=1.1,
+            logprobs=2,
+            user="u1",
+        ),
+        MODEL,
+    )
+    assert request.prompts == [[1, 2], [3]]
+    assert (request.n, request.stream, request.include_usage, request.user) == (3, True, True, "u1")
+    s = request.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p) == (7, 0.0, 0.5, -1, 0.1)
+    assert (s.seed, s.stop, s.stop_token_ids, s.ignore_eos, s.min_tokens) == (
+        42,
+        ["END"],
+        [5, 6],
+        True,
+        2,
+    )
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -0.5, 1.1)
+    assert s.logprobs == 2
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("a", ["a"]),
+        (["a", "b"], ["a", "b"]),
+        ([5, 6, 7], [[5, 6, 7]]),
+        ([[5], [6, 7]], [[5], [6, 7]]),
+    ],
+)
+def test_prompt_shapes(prompt, expected):
+    assert parse_completion_request(completion(prompt=prompt), MODEL).prompts == expected
+
+
+def test_chat_max_tokens_defaults_to_fill_context_and_completion_tokens_win():
+    assert parse_chat_request(chat(), MODEL).sampling.max_tokens == FILL_CONTEXT
+    assert parse_chat_request(chat(max_tokens=5), MODEL).sampling.max_tokens == 5
+    both = parse_chat_request(chat(max_tokens=5, max_completion_tokens=9), MODEL)
+    assert both.sampling.max_tokens == 9
+
+
+def test_chat_messages_are_normalized():
+    request = parse_chat_request(
+        chat(
+            messages=[
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}],
+                    "name": None,
+                },
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f"}}],
+                },
+                {"role": "tool", "content": "42", "tool_call_id": "c1"},
+            ],
+            chat_template_kwargs={"enable_thinking": False},
+            add_generation_prompt=False,
+            logprobs=True,
+            top_logprobs=3,
+        ),
+        MODEL,
+    )
+    assert request.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "one\ntwo"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f"}}],
+        },
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    assert request.chat_template_kwargs == {"enable_thinking": False}
+    assert request.add_generation_prompt is False
+    assert request.sampling.logprobs == 3
+
+
+def test_model_is_optional_and_null_means_absent():
+    request = parse_chat_request({"messages": CHAT, "model": None, "temperature": None}, MODEL)
+    assert request.model == MODEL
+    assert request.sampling.temperature == 1.0
