@@ -1,0 +1,147 @@
+"""Golden tests on CUDA in bfloat16 (skipped without a GPU).
+
+bfloat16 rounding differs between any two implementations, so the reference for error is HF
+transformers in float32 on the same GPU: pegainfer's bf16 logits may be at most about as far
+from it as HF's own bf16 logits are. Greedy tokens through the real process tree must equal
+HF's bf16 greedy tokens, except after a near-tie, where either choice is within rounding.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from pegainfer.config import EngineConfig, finalize, read_model_info
+from tests.server_util import Server
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+NUM_TOKENS = 32
+# A divergence after a gap this small between the two top logits (in float32) is rounding.
+NEAR_TIE = 0.25
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three colours:",
+]
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def _hf(model_dir: str, dtype: torch.dtype):
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to("cuda").eval()
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen3_dir", "smollm2_dir"])
+def test_bf16_logits_on_cuda(model_fixture, request):
+    from worker_proc.model_runner import ModelRunner
+
+    model_dir = request.getfixturevalue(model_fixture)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    config = finalize(
+        EngineConfig(
+            model_path=model_dir,
+            served_model_name="golden",
+            device="cuda",
+            dtype="bfloat16",
+            max_model_len=512,
+            gpu_memory_utilization=0.3,
+            model=read_model_info(model_dir),
+        )
+    )
+    runner = ModelRunner(config)
+    hf32, hf16 = _hf(model_dir, torch.float32), _hf(model_dir, torch.bfloat16)
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        ours = runner.prefill_logits(ids).float().cuda()
+        with torch.no_grad():
+            input_ids = torch.tensor([ids], device="cuda")
+            ref32 = hf32(input_ids).logits[0].float()
+            ref16 = hf16(input_ids).logits[0].float()
+        assert not torch.isnan(ours).any()
+        ours_err, hf_err = _relative_error(ours, ref32), _relative_error(ref16, ref32)
+        print(f"{model_fixture} {prompt!r}: rel err ours {ours_err:.2e}, HF bf16 {hf_err:.2e}")
+        assert ours_err <= 2 * hf_err + 2e-3
+        agree = (ours.argmax(-1) == ref32.argmax(-1)).float().mean().item()
+        assert agree >= 0.9
+
+
+def _serve_greedy(model_dir: str, tmp_path) -> list[list[int]]:
+    server = Server(
+        "--model-path",
+        model_dir,
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "512",
+        "--gpu-memory-utilization",
+        "0.3",
+        log_path=str(tmp_path / "pegainfer.log"),
+    ).wait_ready()
+
+    def run(prompt: str) -> list[int]:
+        status, body = server.post(
+            "/v1/completions",
+            {
+                "prompt": prompt,
+                "max_tokens": NUM_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
+        assert status == 200, body
+        return body["choices"][0]["token_ids"]
+
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            return list(pool.map(run, PROMPTS))
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+        assert server.leftovers() == []
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen3_dir", "smollm2_dir"])
+def test_bf16_greedy_through_the_process_tree_on_cuda(model_fixture, request, tmp_path):
+    model_dir = request.getfixturevalue(model_fixture)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ours = _serve_greedy(model_dir, tmp_path)
+    hf16, hf32 = _hf(model_dir, torch.bfloat16), _hf(model_dir, torch.float32)
+    exact = 0
+    for prompt, got in zip(PROMPTS, ours):
+        ids = tokenizer(prompt)["input_ids"]
+        input_ids = torch.tensor([ids], device="cuda")
+        with torch.no_grad():
+            want = hf16.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=NUM_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(ids) :].tolist()
+        assert len(got) == NUM_TOKENS
+        if got == want:
+            exact += 1
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        with torch.no_grad():
+            context = torch.tensor([ids + got[:first]], device="cuda")
+            logits = hf32(context).logits[0, -1].float()
+        gap = (logits[want[first]] - logits[got[first]]).abs().item()
+        print(f"{model_fixture} {prompt!r}: diverges at {first} with float32 gap {gap:.3f}")
+        assert gap < NEAR_TIE, (prompt, first, got, want)
+    print(f"{model_fixture}: {exact}/{len(PROMPTS)} prompts identical for {NUM_TOKENS} tokens")

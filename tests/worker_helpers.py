@@ -1,0 +1,183 @@
+"""Shared by the worker tests: tiny random HF checkpoints, engine configs, and a minimal
+scheduler stand-in that drives ModelRunner with step plans."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from pegainfer.config import EngineConfig, finalize, read_model_info
+from pegainfer.protocol import (
+    BlockTableUpdate,
+    NewSequence,
+    SamplingParams,
+    StepPlan,
+    pack_ids,
+)
+
+TINY_SIZES = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    # Default init (std 0.02) gives near-uniform logits and ties in greedy decoding.
+    initializer_range=0.2,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+
+
+def make_tiny_checkpoint(path: str, family: str, seed: int = 0, **overrides) -> str:
+    """Write a random ``family`` ("qwen3" or "llama") checkpoint in several safetensors
+    shards plus an index, with non-trivial norm weights so their loading is exercised."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_cls, model_cls = {
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }[family]
+    config = config_cls(**{**TINY_SIZES, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+    model.save_pretrained(path, max_shard_size="60KB")
+    files = os.listdir(path)
+    assert "model.safetensors.index.json" in files, files
+    assert sum(f.endswith(".safetensors") for f in files) >= 2, files
+    return path
+
+
+def engine_config(
+    model_path: str,
+    dtype: str = "float32",
+    block_size: int = 4,
+    kv_cache_memory: int = 1 << 20,
+    max_model_len: int = 128,
+    **overrides,
+) -> EngineConfig:
+    config = EngineConfig(
+        model_path=model_path,
+        served_model_name="x",
+        device="cpu",
+        dtype=dtype,
+        block_size=block_size,
+        kv_cache_memory=kv_cache_memory,
+        max_model_len=max_model_len,
+        model=read_model_info(model_path),
+        **overrides,
+    )
+    return finalize(config)
+
+
+@dataclass
+class _Seq:
+    seq_id: int
+    prompt: list[int]
+    max_new: int
+    sampling: SamplingParams
+    num_computed: int = 0
+    length: int = 0  # tokens known to the worker
+    blocks: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    sent: bool = False
+
+
+class MiniScheduler:
+    """Just enough scheduling to drive a ModelRunner like the real scheduler would:
+    chunked prefill mixed with decodes, blocks drawn from a shuffled free list, finished
+    sequences reported in the next plan."""
+
+    def __init__(self, runner, chunk: int = 5, token_budget: int = 16, seed: int = 0) -> None:
+        self.runner = runner
+        self.chunk = chunk
+        self.token_budget = token_budget
+        # A profiled GPU cache can hold millions of blocks; a few thousand are plenty here.
+        self.free_blocks = list(range(min(runner.num_kv_blocks, 4096)))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.seqs: dict[int, _Seq] = {}
+        self.finished: list[int] = []
+        self.step_id = 0
+
+    def add(self, seq_id: int, prompt: list[int], max_new: int, sampling: SamplingParams) -> None:
+        self.seqs[seq_id] = _Seq(seq_id, list(prompt), max_new, sampling, length=len(prompt))
+
+    def _plan(self) -> tuple[StepPlan, list[_Seq]]:
+        block_size = self.runner.block_size
+        new_seqs, updates, batch, counts = [], [], [], []
+        budget = self.token_budget
+        for seq in self.seqs.values():
+            if budget <= 0:
+                break
+            remaining = seq.length - seq.num_computed
+            count = min(remaining, self.chunk, budget)
+            end = seq.num_computed + count
+            needed = -(-end // block_size) - len(seq.blocks)
+            new_blocks = [self.free_blocks.pop() for _ in range(max(needed, 0))]
+            seq.blocks.extend(new_blocks)
+            if not seq.sent:
+                new_seqs.append(
+                    NewSequence(seq.seq_id, pack_ids(seq.prompt), seq.sampling, len(seq.prompt))
+                )
+                seq.sent = True
+            if new_blocks:
+                updates.append(BlockTableUpdate(seq.seq_id, pack_ids(new_blocks)))
+            batch.append(seq)
+            counts.append(count)
+            budget -= count
+        plan = StepPlan(
+            step_id=self.step_id,
+            new_seqs=new_seqs,
+            seq_ids=pack_ids([s.seq_id for s in batch]),
+            num_computed=pack_ids([s.num_computed for s in batch]),
+            num_scheduled=pack_ids(counts),
+            block_updates=updates,
+            finished_seq_ids=pack_ids(self.finished),
+        )
+        self.finished = []
+        self.step_id += 1
+        for seq, count in zip(batch, counts):
+            seq.num_computed += count
+        return plan, batch
+
+    def flush(self) -> None:
+        """Send a plan that only reports the finished sequences."""
+        plan = StepPlan(self.step_id, [], b"", b"", b"", [], pack_ids(self.finished))
+        self.step_id += 1
+        self.finished = []
+        result = self.runner.execute(plan)
+        assert result.seq_ids == b"" and result.token_ids == b""
+
+    def run(self, max_steps: int = 1000) -> dict[int, list[int]]:
+        from pegainfer.protocol import unpack_ids
+
+        outputs: dict[int, list[int]] = {}
+        for _ in range(max_steps):
+            if not self.seqs:
+                break
+            plan, _ = self._plan()
+            result = self.runner.execute(plan)
+            assert result.step_id == plan.step_id and result.error is None
+            for seq_id, token in zip(unpack_ids(result.seq_ids), unpack_ids(result.token_ids)):
+                seq = self.seqs[seq_id]
+                seq.output.append(token)
+                seq.length += 1
+                if len(seq.output) == seq.max_new:
+                    outputs[seq_id] = seq.output
+                    self.finished.append(seq_id)
+                    self.free_blocks.extend(seq.blocks)
+                    del self.seqs[seq_id]
+        assert not self.seqs, "sequences left unfinished"
+        return outputs

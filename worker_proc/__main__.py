@@ -1,0 +1,5 @@
+import sys
+
+from worker_proc.main import main
+
+sys.exit(main())

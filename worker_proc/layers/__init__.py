@@ -1,0 +1,1 @@
+"""Model building blocks: parallel linear layers, embeddings, norms, rotary, attention."""

@@ -1,0 +1,69 @@
+"""Attention over the paged KV cache, for one layer.
+
+The module holds this layer's ``k_cache``/``v_cache`` (views into the runner's allocation,
+bound by ``bind_kv_caches``) and reads the step's metadata from the forward context. It
+stores the step's keys and values first, then attends, so a sequence's new tokens see each
+other causally as well as everything cached before them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from worker_proc.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, layer_idx: int
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} heads do not group over {num_kv_heads} kv heads")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q [T, num_heads * head_dim]``, ``k, v [T, num_kv_heads * head_dim]`` ->
+        ``[T, num_heads * head_dim]``."""
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError(f"layer {self.layer_idx} has no KV cache bound")
+        ctx = get_forward_context()
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        kernels.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        out = kernels.paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            ctx.block_tables,
+            ctx.context_lens,
+            ctx.query_start_loc,
+            self.scale,
+            ctx.max_query_len,
+            ctx.max_context_len,
+        )
+        return out.view(num_tokens, self.num_heads * self.head_dim)
+
+
+def bind_kv_caches(
+    model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[Attention]:
+    """Give each Attention layer (in ``layer_idx`` order) its ``(k_cache, v_cache)``."""
+    layers = sorted(
+        (m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx
+    )
+    if len(layers) != len(kv_caches):
+        raise ValueError(f"{len(layers)} attention layers but {len(kv_caches)} KV caches")
+    for layer, (k_cache, v_cache) in zip(layers, kv_caches):
+        layer.k_cache, layer.v_cache = k_cache, v_cache
+    return layers

@@ -1,0 +1,1 @@
+"""Model families, one file each; registry.py maps config.json architectures to them."""

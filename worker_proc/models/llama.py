@@ -1,0 +1,208 @@
+"""Llama (LlamaForCausalLM): attention -> MLP -> decoder layer -> model -> causal LM.
+
+Each rank holds its tensor-parallel shard of every layer; the sharding lives in the layers
+(worker_proc/layers), so this file reads like the single-GPU model. The flat batch of the
+step comes in as ``input_ids [T]`` and ``positions [T]``; attention metadata comes from the
+forward context.
+
+Qwen3 (models/qwen3.py) differs only in its attention and reuses the rest by subclassing:
+``LlamaDecoderLayer.attention_cls``, ``LlamaModel.layer_cls`` and
+``LlamaForCausalLM.model_cls`` are the seams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from worker_proc.layers.activation import SiluAndMul
+from worker_proc.layers.attention import Attention
+from worker_proc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker_proc.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from worker_proc.layers.norm import RMSNorm
+from worker_proc.layers.rotary import RotaryEmbedding
+from worker_proc.model_config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.attention_bias,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            bias=config.attention_bias,
+        )
+        self.rotary_emb = rotary_emb  # one cos/sin cache shared by every layer
+        self.attn = Attention(
+            self.num_heads, config.head_dim, config.head_dim**-0.5, self.num_kv_heads, layer_idx
+        )
+
+    def encode_positions(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary_emb(positions, q, k)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.encode_positions(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise NotImplementedError(f"activation {config.hidden_act!r} is not supported")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(config, layer_idx, rotary_emb)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add of each sublayer is fused into the norm that follows it.
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # Built once: at 40k positions a per-layer cos/sin cache would cost ~20 MB a layer.
+        rotary_emb = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+        )
+        self.layers = nn.ModuleList(
+            self.layer_cls(config, i, rotary_emb) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+# Checkpoint projections that land in one fused parameter: (fused, checkpoint name, shard).
+_STACKED_PARAMS: list[tuple[str, str, str | int]] = [
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+]
+# Buffers some checkpoints carry that this implementation recomputes.
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class LlamaForCausalLM(nn.Module):
+    model_cls: type[LlamaModel] = LlamaModel
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = self.model_cls(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids, positions [T] -> hidden states [T, hidden_size]``."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size] -> [N, vocab_size]`` in the model dtype."""
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named checkpoint tensors, fusing q/k/v and gate/up on the way.
+
+        Raises on a tensor with no home and on a parameter left unloaded, so a naming
+        mismatch fails at start instead of serving noise.
+        """
+        params = dict(self.named_parameters())
+        expected = {name: {None} for name in params}
+        for fused, _, shard in _STACKED_PARAMS:
+            for name in params:
+                if name.endswith(f".{fused}.weight") or name.endswith(f".{fused}.bias"):
+                    expected[name] = expected[name] - {None} | {shard}
+        loaded: dict[str, set] = {name: set() for name in params}
+        unexpected = []
+        for name, tensor in weights:
+            if name.endswith(_SKIPPED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # the embedding is loaded under its own name
+            target, shard = name, None
+            for fused, original, shard_id in _STACKED_PARAMS:
+                if f".{original}." in name:
+                    target, shard = name.replace(f".{original}.", f".{fused}."), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                unexpected.append(name)
+                continue
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor, shard)
+            loaded[target].add(shard)
+        if unexpected:
+            raise ValueError(f"checkpoint tensors with no parameter: {sorted(unexpected)[:8]}")
+        missing = [name for name in params if loaded[name] != expected[name]]
+        if missing:
+            raise ValueError(f"parameters not (fully) loaded from the checkpoint: {missing[:8]}")

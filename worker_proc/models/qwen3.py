@@ -1,0 +1,52 @@
+"""Qwen3 dense (Qwen3ForCausalLM): Llama with a per-head RMSNorm on q and k before rope.
+
+attention -> MLP -> decoder layer -> model -> causal LM; the MLP and everything above the
+attention are Llama's (models/llama.py), so only the attention is written here. Qwen3 has
+no qkv bias (``attention_bias`` false) and small sizes tie the LM head to the embedding;
+both come from config.json.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker_proc.layers.norm import RMSNorm
+from worker_proc.layers.rotary import RotaryEmbedding
+from worker_proc.model_config import ModelConfig
+from worker_proc.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+)
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__(config, layer_idx, rotary_emb)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def encode_positions(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens = q.shape[0]
+        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+        return self.rotary_emb(positions, q, k)
+
+
+Qwen3MLP = LlamaMLP
+
+
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3Model(LlamaModel):
+    layer_cls = Qwen3DecoderLayer
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    model_cls = Qwen3Model
