@@ -9,12 +9,23 @@ query_start_loc[i + 1]``. Those are its newest tokens, at positions ``context_le
 query_len .. context_lens[i] - 1``, and they attend causally to its tokens ``0 ..
 context_lens[i] - 1`` already in the cache (the step's own keys are stored first). One call
 therefore serves prefill, chunked prefill, prefix-cached prefill and decode alike.
+
+On CUDA the dispatchers run Triton: ``store_kv_triton`` here, the split-K decode kernel
+(kernels/decode_attention.py) for decode-only batches and the flash-style prefill kernel
+(kernels/prefill_attention.py) for everything else; ``paged_attention_ref`` is the
+reference of both. The fused rotary + cache write is in kernels/rotary.py.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.backend import load_triton, next_power_of_2, triton_jit, use_triton
+from kernels.decode_attention import paged_decode_attention_triton
+from kernels.prefill_attention import paged_prefill_attention_triton
+
+tl = None  # bound to triton.language by kernels.backend.load_triton()
 
 
 def store_kv_ref(
@@ -148,6 +159,107 @@ def paged_attention_ref(
     return out
 
 
+@triton_jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    stride_cache_slot,
+    stride_cache_head,
+    num_kv_heads,
+    head_dim,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    heads = tl.arange(0, KV_HEADS)
+    dims = tl.arange(0, HEAD_DIM)
+    # A negative slot (padding token) writes no head.
+    head_mask = heads < tl.where(slot >= 0, num_kv_heads, 0)
+    mask = head_mask[:, None] & (dims < head_dim)[None, :]
+    k = tl.load(
+        k_ptr + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    v = tl.load(
+        v_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    dst = slot * stride_cache_slot + heads[:, None] * stride_cache_head + dims[None, :]
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need the same layout with unit last stride")
+    if k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
+        raise ValueError("KV cache blocks must be laid out back to back")
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    load_triton()
+    _store_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        num_kv_heads,
+        head_dim,
+        KV_HEADS=next_power_of_2(num_kv_heads),
+        HEAD_DIM=next_power_of_2(head_dim),
+        num_warps=2,
+    )
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int = 0,
+    max_context_len: int = 0,
+) -> torch.Tensor:
+    """Decode batches (``max_query_len == 1``, one row per sequence) take the split-K decode
+    kernel, which never syncs with the host and so can be captured in a CUDA graph; every
+    other batch (prefill, chunked, mixed) takes the prefill kernel, for which a decode row
+    is just a query of length 1."""
+    if max_query_len == 1 and q.shape[0] == context_lens.shape[0]:
+        return paged_decode_attention_triton(
+            q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len
+        )
+    return paged_prefill_attention_triton(
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len
+    )
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -155,8 +267,10 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    # A Triton variant slots in here, behind kernels.backend.use_triton(k).
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    if use_triton(k):
+        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -170,8 +284,12 @@ def paged_attention(
     max_query_len: int = 0,
     max_context_len: int = 0,
 ) -> torch.Tensor:
-    # A Triton variant slots in here, behind kernels.backend.use_triton(q).
-    return paged_attention_ref(
+    """Causal attention of ``q [T, num_heads, head_dim]`` over the paged cache (see the
+    module docstring). Pass ``max_query_len``/``max_context_len`` as host integers: with
+    them the decode path never syncs and can be captured in a CUDA graph (there,
+    ``max_context_len`` only sizes the split grid; ``max_model_len`` is always correct)."""
+    fn = paged_attention_triton if use_triton(q) else paged_attention_ref
+    return fn(
         q,
         k_cache,
         v_cache,

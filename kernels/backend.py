@@ -1,23 +1,46 @@
-"""Which implementation of a kernel runs for a given tensor.
+"""Which implementation of a kernel runs for a given tensor, and lazy Triton loading.
 
-Every kernel module holds a plain PyTorch reference (``*_ref``) and a public dispatch
-function. Triton variants (``*_triton``) are added beside the references later; their
-dispatchers then ask ``use_triton`` so that CPU tensors, and machines without Triton, keep
-running the references. ``PEGAINFER_KERNELS=ref`` forces the references everywhere, which is
-how a suspected kernel bug is bisected.
+Every kernel module holds a plain PyTorch reference (``*_ref``), a Triton variant
+(``*_triton``) and a public dispatch function that asks ``use_triton``, so that CPU tensors,
+and machines without Triton, keep running the references. ``PEGAINFER_KERNELS=ref`` or
+``PEGAINFER_DISABLE_TRITON=1`` forces the references everywhere, which is how a suspected
+kernel bug is bisected.
+
+Triton stays optional and is never imported on the CPU path: kernel bodies are decorated
+with ``triton_jit``, which only records the plain function. ``load_triton()`` (called by
+every ``*_triton`` wrapper before its first launch) imports Triton, binds ``tl`` in each
+kernel module and replaces every recorded function by its ``triton.jit`` version under the
+same global name, so kernels calling helper kernels resolve them at compile time as usual.
+Set ``TRITON_INTERPRET=1`` before the first ``load_triton()`` to run kernels on CPU.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, TypeVar
 
 import torch
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+_pending: list[Callable[..., Any]] = []
+_lock = threading.Lock()
+_triton: ModuleType | None = None
+
+
+def _disabled_by_env() -> bool:
+    if os.environ.get("PEGAINFER_KERNELS", "").lower() == "ref":
+        return True
+    return os.environ.get("PEGAINFER_DISABLE_TRITON", "") not in ("", "0")
 
 
 @functools.cache
 def _triton_available() -> bool:
-    if os.environ.get("PEGAINFER_KERNELS", "").lower() == "ref":
+    if _disabled_by_env():
         return False
     try:
         import triton  # noqa: F401
@@ -29,3 +52,61 @@ def _triton_available() -> bool:
 def use_triton(tensor: torch.Tensor) -> bool:
     """True when a Triton variant may run on ``tensor``'s device."""
     return tensor.is_cuda and _triton_available()
+
+
+def triton_jit(fn: _Fn) -> _Fn:
+    """Mark ``fn`` as a Triton kernel, compiled by ``triton.jit`` at ``load_triton()``.
+
+    Its module must define ``tl = None`` at top level (rebound to ``triton.language``) and
+    use ``from __future__ import annotations`` so ``tl.constexpr`` is not evaluated early.
+    """
+    with _lock:
+        if _triton is None:
+            _pending.append(fn)
+            return fn
+    # Triton already loaded (a module imported late): compile-wrap right away.
+    return _bind(fn)
+
+
+def _bind(fn: Callable[..., Any]) -> Any:
+    assert _triton is not None
+    scope = fn.__globals__
+    scope["tl"] = _triton.language
+    jitted = _triton.jit(fn)
+    scope[fn.__name__] = jitted
+    return jitted
+
+
+def load_triton() -> ModuleType:
+    """Import Triton and turn every recorded kernel into a ``triton.jit`` function."""
+    global _triton
+    with _lock:
+        if _triton is None:
+            import triton
+            import triton.language  # noqa: F401
+
+            _triton = triton
+        pending, _pending[:] = list(_pending), []
+        for fn in pending:
+            _bind(fn)
+        return _triton
+
+
+def dot_needs_fp32(dtype: torch.dtype) -> bool:
+    """True when ``tl.dot`` must get float32 operands: Triton's CPU interpreter multiplies
+    bfloat16 tiles as their raw uint16 bits. Never true on a GPU."""
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (used to size split grids)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

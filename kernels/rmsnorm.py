@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from kernels.backend import load_triton, next_power_of_2, triton_jit, use_triton
+
+tl = None  # bound to triton.language by kernels.backend.load_triton()
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension."""
@@ -28,13 +32,139 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
+@triton_jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    residual_out_ptr,
+    out_ptr,
+    weight_ptr,
+    num_rows,
+    inner,
+    stride_x_outer,
+    stride_x_inner,
+    stride_r_outer,
+    stride_r_inner,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Rows are addressed as (outer, inner) so a [T, heads, head_dim] view with a token
+    # stride wider than heads * head_dim (a slice of the fused qkv) needs no copy.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    col_mask = cols < hidden
+    mask = (rows < num_rows)[:, None] & col_mask[None, :]
+    outer = (rows // inner).to(tl.int64)
+    inner_idx = (rows % inner).to(tl.int64)
+    x_offsets = (outer * stride_x_outer + inner_idx * stride_x_inner)[:, None] + cols[None, :]
+    x = tl.load(x_ptr + x_offsets, mask=mask, other=0.0).to(tl.float32)
+    out_offsets = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
+    if HAS_RESIDUAL:
+        r_offsets = (outer * stride_r_outer + inner_idx * stride_r_inner)[:, None] + cols[None, :]
+        residual = tl.load(residual_ptr + r_offsets, mask=mask, other=0.0).to(tl.float32)
+        # Round the sum to the storage dtype first, and norm exactly what is handed on.
+        summed = (x + residual).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + out_offsets, summed, mask=mask)
+        x = summed.to(tl.float32)
+    mean_square = tl.sum(x * x, axis=1) / hidden
+    inv_rms = 1.0 / tl.sqrt(mean_square + eps)
+    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    out = x * inv_rms[:, None] * weight[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """View ``x`` as ``[outer, inner, hidden]`` with a unit last stride; returns
+    ``(x3, inner, stride_outer, stride_inner)``, copying only if no such view exists."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 1:
+        x3 = x.view(1, 1, -1)
+    elif x.dim() == 2:
+        x3 = x.unsqueeze(1)
+    else:
+        try:
+            x3 = x.view(-1, x.shape[-2], x.shape[-1])
+        except RuntimeError:
+            x3 = x.contiguous().view(-1, x.shape[-2], x.shape[-1])
+    return x3, x3.shape[1], x3.stride(0), x3.stride(1)
+
+
+def _launch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    load_triton()
+    hidden = x.shape[-1]
+    x3, inner, sx_outer, sx_inner = _as_rows(x)
+    num_rows = x3.shape[0] * inner
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_out = None
+    r3, sr_outer, sr_inner = x3, sx_outer, sx_inner
+    if residual is not None:
+        r3, _, sr_outer, sr_inner = _as_rows(residual)
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block = next_power_of_2(hidden)
+    # Small rows (per-head q/k norms, head_dim 128) are packed several to a program so
+    # each program still moves a few KB.
+    rows_per_program = max(1, min(16, 2048 // block))
+    num_warps = 4 if block <= 2048 else 8
+    grid = (-(-num_rows // rows_per_program),)
+    _rms_norm_kernel[grid](
+        x3,
+        r3,
+        residual_out if residual_out is not None else out,
+        out,
+        weight,
+        num_rows,
+        inner,
+        sx_outer,
+        sx_inner,
+        sr_outer,
+        sr_inner,
+        hidden,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        ROWS=rows_per_program,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+    return out, residual_out
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    out, _ = _launch(x, None, weight, eps)
+    return out
+
+
+def fused_add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.shape != residual.shape:
+        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+    if x.numel() == 0:
+        return torch.empty_like(x), torch.empty_like(x)
+    out, residual_out = _launch(x, residual, weight, eps)
+    assert residual_out is not None
+    return out, residual_out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # A Triton variant slots in here, behind kernels.backend.use_triton(x).
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # A Triton variant slots in here, behind kernels.backend.use_triton(x).
+    if use_triton(x):
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)

@@ -30,9 +30,18 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        rotary: nn.Module | None = None,
+    ) -> torch.Tensor:
         """``q [T, num_heads * head_dim]``, ``k, v [T, num_kv_heads * head_dim]`` ->
-        ``[T, num_heads * head_dim]``."""
+        ``[T, num_heads * head_dim]``. With ``rotary`` (a RotaryEmbedding), q and k are rotated
+        here, in the same kernel that writes k and v to the cache: one pass over k instead of
+        three."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError(f"layer {self.layer_idx} has no KV cache bound")
         ctx = get_forward_context()
@@ -40,7 +49,20 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        kernels.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if rotary is None:
+            kernels.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        else:
+            q = kernels.rotary_and_store_kv(
+                positions,
+                q,
+                k,
+                v,
+                rotary.cos_cache,
+                rotary.sin_cache,
+                self.k_cache,
+                self.v_cache,
+                ctx.slot_mapping,
+            )
         out = kernels.paged_attention(
             q,
             self.k_cache,

@@ -1,0 +1,322 @@
+"""Paged decode attention for GQA, split along the context (flash-decoding), in Triton.
+
+The reference is ``kernels.attention.paged_attention_ref`` (its batched decode path); the
+dispatcher ``kernels.attention.paged_attention`` calls ``paged_decode_attention_triton`` when
+every sequence of the batch has one query.
+
+Grid ``(num_seqs, num_kv_heads, max_splits)``. A program takes every query head of one KV
+head group (the group's rows share each K/V load; they are padded to 16 rows for
+``tl.dot``) over one contiguous split of one sequence's context, and writes the split's
+normalised partial output and its log-sum-exp. A second kernel merges the splits. With one
+split the first kernel writes the output directly and the merge is skipped.
+
+How many splits a sequence uses is decided on the device from its own context length (at
+least ``min_split_tokens`` per split, at most ``max_splits``), so the grid depends only on
+host integers. That keeps the launch CUDA-graph capturable: a graph captured with
+``max_context_len = max_model_len`` replays correctly for any context length; splits a
+short sequence does not need exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backend import (
+    cdiv,
+    dot_needs_fp32,
+    load_triton,
+    next_power_of_2,
+    num_sms,
+    triton_jit,
+)
+
+tl = None  # bound to triton.language by kernels.backend.load_triton()
+
+LOG2_E = 1.4426950408889634
+# A split covers at least this many tokens: below it the merge costs more than it saves.
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 32
+# Splits are added until about this many programs per SM are in flight.
+PROGRAMS_PER_SM = 4
+
+
+@triton_jit
+def _split_bounds(context_len, max_splits, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(tokens_per_split, splits_used)`` of a sequence; the merge recomputes the same."""
+    wanted = tl.maximum((context_len + MIN_SPLIT - 1) // MIN_SPLIT, 1)
+    num_splits = tl.minimum(wanted, max_splits)
+    per_split = (context_len + num_splits - 1) // num_splits
+    per_split = tl.maximum((per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
+    splits_used = (context_len + per_split - 1) // per_split
+    return per_split, splits_used
+
+
+@triton_jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    scale_log2,
+    stride_q_seq,
+    stride_q_head,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    stride_table_seq,
+    stride_out_seq,
+    stride_out_head,
+    head_dim,
+    max_splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    per_split, _ = _split_bounds(context_len, max_splits, MIN_SPLIT, BLOCK_N)
+    start = split * per_split
+    end = tl.minimum(start + per_split, context_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    dim_mask = dims < head_dim
+    heads = kv_head * GROUP + rows
+    q_mask = (rows < GROUP)[:, None] & dim_mask[None, :]
+    q_offsets = seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
+    # Both products take the cache dtype (a float32 q over a bf16 cache, say).
+    q = q.to(k_cache_ptr.dtype.element_ty)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # The running max starts finite (not -inf), so that exp2(m_old - m_new) is never NaN.
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    table_row = block_tables_ptr + seq * stride_table_seq
+    head_offset = kv_head * stride_cache_head
+    # Empty splits (start >= end) skip the loop and leave l_i = 0.
+    for block_start in range(start, end, BLOCK_N):
+        tokens = block_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0)
+        slots = (
+            blocks.to(tl.int64) * stride_cache_block + (tokens % BLOCK_SIZE) * stride_cache_token
+        )
+        kv_offsets = (slots + head_offset)[:, None] + dims[None, :]
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        # Masked loads give 0 for slots past the end: stale cache values (even NaN) never
+        # reach the products below.
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        # p is rounded to the cache dtype for the tensor-core product, as on the GPU.
+        p_low = p.to(v.dtype)
+        if DOT_FP32:
+            p_low = p_low.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_low, v, input_precision=PRECISION)
+        m_i = m_new
+
+    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+    partial = acc / safe_l[:, None]
+    if SINGLE_SPLIT:
+        out_offsets = seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
+        tl.store(out_ptr + out_offsets, partial.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # partial_out: [num_seqs, num_heads, max_splits, head_dim] float32, contiguous.
+        num_heads = tl.num_programs(1) * GROUP
+        row_index = (seq * num_heads + heads) * max_splits + split
+        store_mask = (rows < tl.where(start < end, GROUP, 0))[:, None] & dim_mask[None, :]
+        tl.store(
+            partial_out_ptr + row_index[:, None] * head_dim + dims[None, :],
+            partial,
+            mask=store_mask,
+        )
+        lse = m_i + tl.log2(safe_l)
+        tl.store(partial_lse_ptr + row_index, lse, mask=rows < tl.where(start < end, GROUP, 0))
+
+
+@triton_jit
+def _decode_merge_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    context_lens_ptr,
+    out_ptr,
+    stride_out_seq,
+    stride_out_head,
+    head_dim,
+    max_splits,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    _, splits_used = _split_bounds(context_len, max_splits, MIN_SPLIT, BLOCK_N)
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    split_mask = splits < splits_used
+    row_index = (seq * num_heads + head) * max_splits + splits
+    lse = tl.load(partial_lse_ptr + row_index, mask=split_mask, other=float("-inf"))
+    # A sequence with no context (a padding row of a captured batch) uses no split: its
+    # weights are all 0 and it gets a zero output, not NaN.
+    lse_max = tl.maximum(tl.max(lse, axis=0), -1.0e30)
+    weights = tl.exp2(lse - lse_max)
+    total = tl.sum(weights, axis=0)
+    partial = tl.load(
+        partial_out_ptr + row_index[:, None] * head_dim + dims[None, :],
+        mask=split_mask[:, None] & (dims < head_dim)[None, :],
+        other=0.0,
+    )
+    merged = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    out_offsets = seq * stride_out_seq + head * stride_out_head + dims
+    tl.store(out_ptr + out_offsets, merged.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+
+def choose_max_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context_len: int,
+    device: torch.device,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
+) -> int:
+    """Splits per sequence for the grid: enough programs to fill the GPU, never a split
+    shorter than ``min_split_tokens`` at ``max_context_len``. Host integers only."""
+    sms = num_sms(device.index or 0) if device.type == "cuda" else 132
+    by_length = cdiv(max(max_context_len, 1), min_split_tokens)
+    by_occupancy = cdiv(PROGRAMS_PER_SM * sms, max(num_seqs * num_kv_heads, 1))
+    return max(1, min(by_length, by_occupancy, MAX_SPLITS))
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int = 0,
+    *,
+    max_splits: int | None = None,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence, ``q [num_seqs, num_heads, head_dim]``.
+
+    No host sync: ``max_context_len`` (0: the block tables' capacity) only sizes the grid,
+    and a sequence whose context is empty gets a zero output.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} kv heads")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need the same layout with unit last stride")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    load_triton()
+    group = num_heads // num_kv_heads
+    if max_context_len <= 0:
+        max_context_len = block_tables.shape[1] * block_size
+    if max_splits is None:
+        max_splits = choose_max_splits(
+            num_seqs, num_kv_heads, max_context_len, q.device, min_split_tokens
+        )
+    fp32 = k_cache.dtype == torch.float32  # q is cast to the cache dtype in the kernel
+    if block_n is None:
+        block_n = 32 if fp32 else 64
+    single = max_splits == 1
+    if single:
+        partial_out = partial_lse = out  # unused by the single-split kernel
+    else:
+        partial_out = torch.empty(
+            (num_seqs, num_heads, max_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        partial_lse = torch.empty(
+            (num_seqs, num_heads, max_splits), dtype=torch.float32, device=q.device
+        )
+    head_dim_pad = next_power_of_2(head_dim)
+    _decode_split_kernel[(num_seqs, num_kv_heads, max_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        partial_out,
+        partial_lse,
+        scale * LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        head_dim,
+        max_splits,
+        GROUP=group,
+        GROUP_PAD=max(16, next_power_of_2(group)),
+        HEAD_DIM=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        MIN_SPLIT=min_split_tokens,
+        SINGLE_SPLIT=single,
+        PRECISION="ieee" if fp32 else "tf32",
+        DOT_FP32=dot_needs_fp32(k_cache.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    if not single:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            partial_out,
+            partial_lse,
+            context_lens,
+            out,
+            out.stride(0),
+            out.stride(1),
+            head_dim,
+            max_splits,
+            HEAD_DIM=head_dim_pad,
+            SPLITS=next_power_of_2(max_splits),
+            BLOCK_N=block_n,
+            MIN_SPLIT=min_split_tokens,
+            num_warps=4 if head_dim_pad * max_splits >= 2048 else 2,
+        )
+    return out
+
+
+def decode_bytes(
+    num_seqs: int, context_len: int, num_heads: int, num_kv_heads: int, head_dim: int, elem: int
+) -> int:
+    """Bytes a decode step of attention must move (K and V read, q read, out written)."""
+    kv = 2 * num_seqs * context_len * num_kv_heads * head_dim * elem
+    return kv + 2 * num_seqs * num_heads * head_dim * elem

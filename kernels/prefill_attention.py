@@ -1,0 +1,220 @@
+"""Prefill attention over the paged KV cache, in Triton (flash-attention style).
+
+The reference is ``kernels.attention.paged_attention_ref``. Varlen batch: sequence ``s``
+owns query rows ``query_start_loc[s] : query_start_loc[s + 1]``; query ``i`` of it sits at
+position ``context_lens[s] - query_len + i`` and attends to keys ``0 .. position``, read
+from the cache through the block table (the step's keys are already stored, and a cached
+prefix is simply more keys). So one kernel serves whole prompts, chunked prefill, prefix
+hits and, in a mixed batch, decode rows.
+
+Grid ``(query tiles, num_kv_heads, num_seqs)``. The ``BLOCK_M`` rows of a tile are
+``BLOCK_M // GROUP_PAD`` consecutive queries times every query head of one KV head group,
+so each K/V tile loaded from the cache serves the whole group. Scores and the online
+softmax are float32 (exp2, scale folded in); both products run in the input dtype on
+tensor cores with float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backend import cdiv, dot_needs_fp32, load_triton, next_power_of_2, triton_jit
+
+tl = None  # bound to triton.language by kernels.backend.load_triton()
+
+LOG2_E = 1.4426950408889634
+
+
+@triton_jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    scale_log2,
+    stride_q_token,
+    stride_q_head,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    stride_table_seq,
+    stride_out_token,
+    stride_out_head,
+    head_dim,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    # Tiles run last-first: the late tiles of a long prompt see the most keys, and
+    # starting them early evens out the tail of the launch.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    query_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    context_len = tl.load(context_lens_ptr + seq)
+    queries_per_tile = BLOCK_M // GROUP_PAD
+    first_query = tile * queries_per_tile
+    if first_query < query_len:
+        rows = tl.arange(0, BLOCK_M)
+        query = first_query + rows // GROUP_PAD
+        group_index = rows % GROUP_PAD
+        # Padding rows (past the sequence, or past the group) compute harmlessly on zero
+        # queries and are never stored.
+        row_valid = (query < query_len) & (group_index < GROUP)
+        heads = kv_head * GROUP + group_index
+        dims = tl.arange(0, HEAD_DIM)
+        dim_mask = dims < head_dim
+        token = (query_start + query).to(tl.int64)
+        q_offsets = token[:, None] * stride_q_token + heads[:, None] * stride_q_head
+        q_mask = row_valid[:, None] & dim_mask[None, :]
+        q = tl.load(q_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)
+        # Both products take the cache dtype (a float32 q over a bf16 cache, say).
+        q = q.to(k_cache_ptr.dtype.element_ty)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        positions = context_len - query_len + query
+        last_query = tl.minimum(first_query + queries_per_tile, query_len) - 1
+        kv_end = context_len - query_len + last_query + 1
+
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        table_row = block_tables_ptr + seq * stride_table_seq
+        head_offset = kv_head * stride_cache_head
+        for block_start in range(0, kv_end, BLOCK_N):
+            keys = block_start + tl.arange(0, BLOCK_N)
+            key_mask = keys < kv_end
+            blocks = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0)
+            slots = (
+                blocks.to(tl.int64) * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_token
+            )
+            kv_offsets = (slots + head_offset)[:, None] + dims[None, :]
+            kv_mask = key_mask[:, None] & dim_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            # Causal: a key at or before the row's position (keys < kv_end by the mask).
+            visible = (keys[None, :] <= positions[:, None]) & key_mask[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            p_low = p.to(v.dtype)
+            if DOT_FP32:
+                p_low = p_low.to(tl.float32)
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p_low, v, input_precision=PRECISION)
+            m_i = m_new
+
+        # A row that saw no key (only if query_len > context_len: bad input) writes 0.
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        out_offsets = token[:, None] * stride_out_token + heads[:, None] * stride_out_head
+        tl.store(
+            out_ptr + out_offsets + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
+
+
+def prefill_tile_config(dtype: torch.dtype, head_dim: int, group: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)``: 64x64 tiles in 16-bit types (head_dim 128 keeps a
+    64x128 float32 accumulator in registers at 4 warps), 32x32 in float32 (twice the bytes
+    per element in shared memory)."""
+    group_pad = next_power_of_2(group)
+    if dtype == torch.float32:
+        block_m, block_n, warps = 32, 32, 4
+    elif head_dim <= 128:
+        block_m, block_n, warps = 64, 64, 4
+    else:
+        block_m, block_n, warps = 64, 32, 8
+    return max(block_m, group_pad, 16), block_n, warps
+
+
+def paged_prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int = 0,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of ``q [T, num_heads, head_dim]`` over the paged cache.
+
+    ``max_query_len`` sizes the grid; when 0 it is read from ``query_start_loc`` (one host
+    sync, fine for eager prefill). Rows of ``q`` past ``query_start_loc[-1]`` are not
+    written.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} kv heads")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need the same layout with unit last stride")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    num_seqs = context_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len <= 0:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    if max_query_len <= 0:
+        return out
+    if num_seqs > 65535:
+        raise ValueError(f"{num_seqs} sequences exceed the grid limit of 65535")
+    load_triton()
+    group = num_heads // num_kv_heads
+    group_pad = next_power_of_2(group)
+    default_m, default_n, num_warps = prefill_tile_config(k_cache.dtype, head_dim, group)
+    block_m = max(block_m or default_m, group_pad, 16)
+    block_n = block_n or default_n
+    queries_per_tile = block_m // group_pad
+    fp32 = k_cache.dtype == torch.float32  # q is cast to the cache dtype in the kernel
+    grid = (cdiv(max_query_len, queries_per_tile), num_kv_heads, num_seqs)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        out,
+        scale * LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        head_dim,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PRECISION="ieee" if fp32 else "tf32",
+        DOT_FP32=dot_needs_fp32(k_cache.dtype),
+        num_warps=num_warps,
+        num_stages=2,
+    )
+    return out

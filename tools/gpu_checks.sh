@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Runs the GPU tests and benchmarks on a CUDA machine, one stage per call, with every log under
+# OUT_DIR (default ./gpu_out). Each step runs even if an earlier one failed; the summary at the
+# end lists each step's exit status.
+#
+#   bash tools/gpu_checks.sh tests    # GPU golden tests, Triton kernels, CUDA graphs, overlap
+#   bash tools/gpu_checks.sh bench    # latency, kernels, throughput (+HF baseline), prefix TTFT
+#   bash tools/gpu_checks.sh serve    # startup time and memory, online serving load
+#
+# Benchmarks use a Qwen3-4B-shaped checkpoint with random weights, written once to CKPT_DIR.
+set -u
+stage="${1:-tests}"
+out="${OUT_DIR:-$PWD/gpu_out}"
+ckpt="${CKPT_DIR:-/tmp/qwen3-4b-random}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+summary=()
+
+step() {
+  local name="$1"
+  shift
+  local started=$SECONDS
+  echo "=== $name: $*"
+  "$@" >"$out/$name.log" 2>&1
+  local code=$?
+  summary+=("$name: exit $code, $((SECONDS - started)) s")
+  tail -n 40 "$out/$name.log"
+}
+
+need_checkpoint() {
+  [ -f "$ckpt/config.json" ] || step make_checkpoint \
+    python3 -m tools.make_tiny_checkpoint --arch qwen3 --preset 4b --out "$ckpt"
+}
+
+case "$stage" in
+tests)
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
+    >"$out/gpu.txt"
+  step gpu_tests python3 -m pytest -v -rs -p no:cacheprovider \
+    tests/test_gpu_golden.py tests/test_model_golden.py tests/test_kernels_triton.py \
+    tests/test_cuda_graphs.py tests/test_overlap.py
+  ;;
+bench)
+  need_checkpoint
+  step bench_latency python3 -m tools.bench_latency --model-path "$ckpt" --out "$out/latency"
+  step bench_kernels python3 -m tools.bench_kernels --out "$out/kernels"
+  step bench_throughput python3 -m tools.bench_throughput --model-path "$ckpt" \
+    --out "$out/throughput" --hf-baseline
+  step bench_prefix_cache python3 -m tools.bench_prefix_cache --model-path "$ckpt" \
+    --out "$out/prefix_cache" --lengths 1024,4096,16384
+  ;;
+serve)
+  need_checkpoint
+  step bench_startup python3 -m tools.bench_startup --model-path "$ckpt" --out "$out/startup"
+  step bench_serving_run bash -c "python3 -m tools.bench_serving --help >/dev/null"
+  ;;
+*)
+  echo "unknown stage $stage" >&2
+  exit 2
+  ;;
+esac
+
+echo "=== summary ($stage)"
+printf '%s\n' "${summary[@]}" | tee "$out/summary-$stage.txt"
