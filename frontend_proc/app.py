@@ -14,9 +14,12 @@ from typing import Any
 
 from aiohttp import web
 
-from frontend_proc import jsonutil
+from frontend_proc import jsonutil, routes_misc
 from frontend_proc.engine_client import EngineClientProtocol
 from frontend_proc.errors import INVALID_REQUEST, SERVER_ERROR, APIError, error_body, invalid
+from frontend_proc.gate import make_gate, retry_after
+from frontend_proc.preprocess import Preprocessor
+from frontend_proc.server_state import ServerState
 from frontend_proc.serving_chat import create_chat_completion
 from frontend_proc.serving_common import ServingContext, json_response
 from frontend_proc.serving_completions import create_completion
@@ -25,8 +28,8 @@ from pegainfer.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 CONTEXT_KEY = web.AppKey("serving_context", ServingContext)
-# Long prompts and conversations are far larger than aiohttp's 1 MiB default.
-MAX_BODY_BYTES = 64 * 1024 * 1024
+STATE_KEY = web.AppKey("server_state", ServerState)
+PREPROCESSOR_KEY = web.AppKey("preprocessor", object)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -77,21 +80,37 @@ async def read_json(request: web.Request) -> Any:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200)
+    return routes_misc.health_response(request.app[STATE_KEY], request.app[CONTEXT_KEY].engine)
+
+
+async def version(request: web.Request) -> web.Response:
+    return routes_misc.version_response()
+
+
+async def metrics(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT_KEY]
+    return routes_misc.metrics_response(ctx, request.app[STATE_KEY], ctx.engine)
 
 
 async def list_models(request: web.Request) -> web.Response:
-    ctx = request.app[CONTEXT_KEY]
-    model = {
-        "id": ctx.served_model_name,
-        "object": "model",
-        "created": ctx.created,
-        "owned_by": "pegainfer",
-        "root": ctx.model_path,
-        "parent": None,
-        "max_model_len": ctx.max_model_len,
-    }
+    model = routes_misc.model_card(request.app[CONTEXT_KEY])
     return json_response({"object": "list", "data": [model]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    return routes_misc.get_model(request.app[CONTEXT_KEY], request.match_info["model"])
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    return await routes_misc.tokenize(request.app[CONTEXT_KEY], request.app[PREPROCESSOR_KEY], body)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    return await routes_misc.detokenize(
+        request.app[CONTEXT_KEY], request.app[PREPROCESSOR_KEY], body
+    )
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -104,19 +123,42 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await create_chat_completion(request, request.app[CONTEXT_KEY], body)
 
 
-def create_app(config: EngineConfig, engine: EngineClientProtocol) -> web.Application:
+def create_app(
+    config: EngineConfig,
+    engine: EngineClientProtocol,
+    preprocessor: Preprocessor | None = None,
+    state: ServerState | None = None,
+    reasoning: bool | None = None,
+) -> web.Application:
+    """``preprocessor`` serves /tokenize and /detokenize and tells whether the model
+    reasons in ``<think>`` blocks (``reasoning`` overrides that)."""
     max_model_len = config.max_model_len
     if max_model_len <= 0 and config.model is not None:
         max_model_len = config.model.max_position_embeddings
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    state = state or ServerState.from_config(config)
+    app = web.Application(
+        middlewares=[retry_after, error_middleware, make_gate(state, engine)],
+        client_max_size=state.max_request_bytes,
+    )
+    if reasoning is None:
+        reasoning = preprocessor is not None and preprocessor.reasons_in_think_blocks()
     app[CONTEXT_KEY] = ServingContext(
         served_model_name=config.served_model_name,
         model_path=config.model_path,
         max_model_len=max_model_len,
         engine=engine,
+        reasoning=reasoning,
     )
+    app[STATE_KEY] = state
+    app[PREPROCESSOR_KEY] = preprocessor
     app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", get_model)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     return app

@@ -4,31 +4,42 @@ Requests go to the tokenizers (a PUSH the frontend binds; ZeroMQ spreads them ro
 aborts go straight to the scheduler. One background task reads the ``frontend`` socket and
 hands each TextDelta or RequestRejected to the queue of its request id. Output for an id with
 no queue (an aborted request's last step) is dropped.
+
+The same socket brings the scheduler's EngineStats (for /metrics and the waiting-queue limit)
+and the launcher's Drain and EngineDead. After EngineDead every request in flight fails at
+once with a 503, and so does every new one: nothing waits on an engine that is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 import zmq
 import zmq.asyncio
 
-from frontend_proc.errors import APIError
+from frontend_proc.errors import SERVER_ERROR, APIError
+from frontend_proc.metrics import RequestMetrics
 from pegainfer import ipc
 from pegainfer.protocol import (
     AbortRequests,
+    Drain,
+    Drained,
+    EngineDead,
+    EngineStats,
     GenerateRequest,
     RequestRejected,
     TextDelta,
     TextOutputs,
+    unpack_ids,
 )
 
 logger = logging.getLogger(__name__)
 
-_INBOUND = (TextOutputs, RequestRejected)
+_INBOUND = (TextOutputs, RequestRejected, EngineStats, Drain, EngineDead)
 
 
 class EngineClientProtocol(Protocol):
@@ -37,6 +48,19 @@ class EngineClientProtocol(Protocol):
     def generate(self, request: GenerateRequest) -> AsyncIterator[TextDelta]: ...
 
     def abort(self, request_ids: list[str]) -> None: ...
+
+
+def engine_dead_error(reason: str) -> APIError:
+    return APIError(503, f"the engine is not available: {reason}", SERVER_ERROR)
+
+
+class _Failure:
+    """Queued to a request when the engine fails under it."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: APIError) -> None:
+        self.error = error
 
 
 class EngineClient:
@@ -48,13 +72,30 @@ class EngineClient:
         self._sync_ctx = zmq.Context.shadow(self._async_ctx.underlying)
         self._to_tokenizers = ipc.bind(self._sync_ctx, zmq.PUSH, run_dir, "tokenizer")
         self._to_scheduler = ipc.connect(self._sync_ctx, zmq.PUSH, run_dir, "scheduler")
+        self._to_launcher = ipc.connect(self._sync_ctx, zmq.PUSH, run_dir, "launcher")
         self._inbound = ipc.bind(self._async_ctx, zmq.PULL, run_dir, "frontend")
-        self._queues: dict[str, asyncio.Queue[TextDelta | RequestRejected]] = {}
+        self._queues: dict[str, asyncio.Queue[TextDelta | RequestRejected | _Failure]] = {}
+        self._unstarted: set[str] = set()  # sent, no output yet
         self._receiver: asyncio.Task[None] | None = None
+        self.metrics = RequestMetrics()
+        self.stats: EngineStats | None = None
+        self.stats_time = 0.0  # monotonic time of the latest stats
+        self.dead_reason: str | None = None
+        # Set by the server: called with the timeout when the launcher asks for a drain.
+        self.on_drain: Callable[[float], None] | None = None
 
     @property
     def num_active(self) -> int:
         return len(self._queues)
+
+    @property
+    def num_unstarted(self) -> int:
+        """Requests sent to the engine that have produced nothing yet (tokenizing, waiting
+        or prefilling)."""
+        return len(self._unstarted)
+
+    def active_request_ids(self) -> list[str]:
+        return list(self._queues)
 
     def start(self) -> None:
         if self._receiver is None:
@@ -68,7 +109,7 @@ class EngineClient:
             except asyncio.CancelledError:
                 pass
             self._receiver = None
-        for sock in (self._to_tokenizers, self._to_scheduler, self._inbound):
+        for sock in (self._to_tokenizers, self._to_scheduler, self._to_launcher, self._inbound):
             sock.close(linger=0)
 
     async def _receive_loop(self) -> None:
@@ -89,7 +130,20 @@ class EngineClient:
             except Exception:  # noqa: BLE001 - the receiver must outlive any one message
                 logger.exception("could not dispatch a %s", type(msg).__name__)
 
-    def dispatch(self, msg: TextOutputs | RequestRejected) -> None:
+    def dispatch(
+        self, msg: TextOutputs | RequestRejected | EngineStats | Drain | EngineDead
+    ) -> None:
+        if isinstance(msg, EngineStats):
+            self.stats = msg
+            self.stats_time = time.monotonic()
+            return
+        if isinstance(msg, EngineDead):
+            self.fail_all(msg.reason)
+            return
+        if isinstance(msg, Drain):
+            if self.on_drain is not None:
+                self.on_drain(msg.timeout)
+            return
         items: list[TextDelta] | list[RequestRejected] = (
             msg.outputs if isinstance(msg, TextOutputs) else [msg]
         )
@@ -97,6 +151,21 @@ class EngineClient:
             queue = self._queues.get(item.request_id)
             if queue is not None:
                 queue.put_nowait(item)
+
+    def fail_all(self, reason: str) -> None:
+        """The engine is gone: every request in flight, and every later one, fails."""
+        if self.dead_reason is None:
+            logger.error("engine failure: %s; failing %d requests", reason, len(self._queues))
+        self.dead_reason = reason
+        error = engine_dead_error(reason)
+        for queue in self._queues.values():
+            queue.put_nowait(_Failure(error))
+
+    def send_drained(self, num_finished: int, num_aborted: int) -> None:
+        try:
+            ipc.send(self._to_launcher, Drained("frontend", num_finished, num_aborted))
+        except zmq.ZMQError:
+            logger.exception("could not report the drain to the launcher")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TextDelta]:
         """The text deltas of one request until it finishes; a rejection raises APIError.
@@ -106,21 +175,31 @@ class EngineClient:
         (``abort``), since only it knows whether the request had finished.
         """
         request_id = request.request_id
+        if self.dead_reason is not None:
+            raise engine_dead_error(self.dead_reason)
         if request_id in self._queues:
             raise APIError(500, f"request id {request_id} is already in flight", "server_error")
-        queue: asyncio.Queue[TextDelta | RequestRejected] = asyncio.Queue()
+        queue: asyncio.Queue[TextDelta | RequestRejected | _Failure] = asyncio.Queue()
         self._queues[request_id] = queue
+        self._unstarted.add(request_id)
+        timing = _RequestTiming(request_id, request.arrival_time, self.metrics)
         try:
             ipc.send(self._to_tokenizers, request)
             while True:
                 item = await queue.get()
+                if isinstance(item, _Failure):
+                    timing.failed("error")
+                    raise item.error
                 if isinstance(item, RequestRejected):
                     raise APIError.from_rejection(item)
+                self._unstarted.discard(request_id)
+                timing.delta(item)
                 yield item
                 if item.finish_reason is not None:
                     return
         finally:
             self._queues.pop(request_id, None)
+            self._unstarted.discard(request_id)
 
     def abort(self, request_ids: list[str]) -> None:
         if not request_ids:
@@ -129,3 +208,50 @@ class EngineClient:
             ipc.send(self._to_scheduler, AbortRequests(request_ids=list(request_ids)))
         except zmq.ZMQError:
             logger.exception("could not send an abort for %d requests", len(request_ids))
+
+
+class _RequestTiming:
+    """Latency metrics of one engine request, and its first-token log line."""
+
+    __slots__ = ("request_id", "arrival", "metrics", "last", "num_tokens")
+
+    def __init__(self, request_id: str, arrival: float, metrics: RequestMetrics) -> None:
+        self.request_id = request_id
+        self.arrival = arrival
+        self.metrics = metrics
+        self.last: float | None = None
+        self.num_tokens = 0
+
+    def delta(self, delta: TextDelta) -> None:
+        now = time.time()
+        try:
+            new_tokens = len(unpack_ids(delta.token_ids))
+        except Exception:  # noqa: BLE001 - metrics must not fail a request
+            new_tokens = 0
+        if delta.queue_time is not None:  # on the first output only
+            self.metrics.request_queue_time.observe(delta.queue_time)
+        if new_tokens:
+            if self.last is None:
+                ttft = now - self.arrival
+                self.metrics.time_to_first_token.observe(ttft)
+                logger.info(
+                    "first token of request %s: ttft %.3fs, queued %s, %d prompt tokens "
+                    "(%d cached)",
+                    self.request_id,
+                    ttft,
+                    f"{delta.queue_time:.3f}s" if delta.queue_time is not None else "-",
+                    delta.prompt_tokens,
+                    delta.cached_tokens,
+                )
+            else:
+                per_token = (now - self.last) / new_tokens
+                for _ in range(new_tokens):
+                    self.metrics.inter_token_latency.observe(per_token)
+            self.last = now
+            self.num_tokens += new_tokens
+        if delta.finish_reason is not None:
+            self.metrics.e2e_request_latency.observe(now - self.arrival)
+            self.metrics.count_finished(delta.finish_reason)
+
+    def failed(self, reason: str) -> None:
+        self.metrics.count_finished(reason)

@@ -92,6 +92,13 @@ class Preprocessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
+    def reasons_in_think_blocks(self) -> bool:
+        """Whether the model writes its reasoning between <think> and </think> (Qwen3):
+        the tags are tokens of their own and its chat template knows them."""
+        added = {token.content for token in self.tokenizer.get_added_tokens_decoder().values()}
+        source = self.chat_template.source if self.chat_template is not None else ""
+        return "<think>" in added and "</think>" in added and "</think>" in source
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],

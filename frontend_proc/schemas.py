@@ -149,6 +149,8 @@ def parse_completion_request(body: Any, served_model_name: str) -> CompletionReq
     if echo and any(not isinstance(prompt, str) for prompt in prompts):
         # Echoing token ids needs detokenization, which the frontend does not do.
         raise invalid("'echo' is only supported with text prompts", "echo")
+    if echo and logprobs is not None:
+        common.sampling.prompt_logprobs = logprobs
     return CompletionRequest(
         model=common.model,
         prompts=prompts,

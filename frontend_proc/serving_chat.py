@@ -9,6 +9,8 @@ from typing import Any
 from aiohttp import web
 
 from frontend_proc.fanout import FanOut
+from frontend_proc.logprobs import chat_logprobs
+from frontend_proc.reasoning import ReasoningParser, split_reasoning
 from frontend_proc.schemas import ChatCompletionRequest, parse_chat_request
 from frontend_proc.serving_common import (
     ChoiceState,
@@ -50,14 +52,20 @@ async def create_chat_completion(
     subs = build_sub_requests(request_id, request)
     states = [ChoiceState() for _ in subs]
 
+    num_top = request.top_logprobs or 0
+
+    def message(state: ChoiceState) -> dict[str, Any]:
+        reasoning, content = split_reasoning(state.text) if ctx.reasoning else (None, state.text)
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+
     if not request.stream:
         async with FanOut(ctx.engine, subs) as fan:
             await collect(fan, states)
         choices = [
             {
                 "index": index,
-                "message": {"role": "assistant", "content": state.text, "reasoning_content": None},
-                "logprobs": None,
+                "message": message(state),
+                "logprobs": chat_logprobs(state.logprobs, num_top) if request.logprobs else None,
                 "finish_reason": state.finish_reason,
                 "stop_reason": state.stop_reason,
             }
@@ -87,11 +95,12 @@ async def create_chat_completion(
         delta: dict[str, Any],
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         choice = {
             "index": index,
             "delta": delta,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
         if finish_reason is not None:
@@ -101,13 +110,35 @@ async def create_chat_completion(
     def preamble() -> list[dict[str, Any]]:
         return [chunk(index, {"role": "assistant", "content": ""}) for index in range(len(subs))]
 
-    def chunk_for(index: int, delta: TextDelta, state: ChoiceState) -> list[dict[str, Any]]:
+    parsers = [ReasoningParser() for _ in subs] if ctx.reasoning else None
+
+    def text_fields(index: int, delta: TextDelta) -> dict[str, Any]:
+        if parsers is None:
+            return {"content": delta.text} if delta.text else {}
+        reasoning, content = parsers[index].feed(delta.text)
         if delta.finish_reason is not None:
-            content = {"content": delta.text} if delta.text else {}
-            return [chunk(index, content, state.finish_reason, state.stop_reason)]
-        if not delta.text:
+            more_reasoning, more_content = parsers[index].flush()
+            reasoning += more_reasoning
+            content += more_content
+        fields: dict[str, Any] = {}
+        if reasoning:
+            fields["reasoning_content"] = reasoning
+        if content:
+            fields["content"] = content
+        return fields
+
+    def chunk_for(index: int, delta: TextDelta, state: ChoiceState) -> list[dict[str, Any]]:
+        fields = text_fields(index, delta)
+        logprobs = (
+            chat_logprobs(state.new_logprobs, num_top)
+            if request.logprobs and state.new_logprobs
+            else None
+        )
+        if delta.finish_reason is not None:
+            return [chunk(index, fields, state.finish_reason, state.stop_reason, logprobs)]
+        if not fields and logprobs is None:
             return []
-        return [chunk(index, {"content": delta.text})]
+        return [chunk(index, fields, logprobs=logprobs)]
 
     def final() -> list[dict[str, Any]]:
         if not request.include_usage:

@@ -17,6 +17,7 @@ from frontend_proc import jsonutil
 from frontend_proc.engine_client import EngineClientProtocol
 from frontend_proc.errors import SERVER_ERROR, APIError
 from frontend_proc.fanout import FanOut
+from frontend_proc.logprobs import PromptLogprobs, TokenEntry, entries
 from pegainfer.protocol import SamplingParams, TextDelta, unpack_ids
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class ServingContext:
     max_model_len: int
     engine: EngineClientProtocol
     created: int = field(default_factory=lambda: int(time.time()))
+    reasoning: bool = False  # split <think> blocks into reasoning_content
 
 
 @dataclass
@@ -49,6 +51,10 @@ class ChoiceState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[TokenEntry] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs = field(default_factory=PromptLogprobs)
+    # The logprob entries the latest delta brought, for a streamed chunk.
+    new_logprobs: list[TokenEntry] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -59,6 +65,9 @@ class ChoiceState:
             self.text_parts.append(delta.text)
         if delta.token_ids:
             self.token_ids.extend(unpack_ids(delta.token_ids))
+        self.new_logprobs = entries(delta.logprobs)
+        self.logprobs.extend(self.new_logprobs)
+        self.prompt_logprobs.add(delta.prompt_logprobs)
         # Token counts on a delta are running totals.
         self.prompt_tokens = delta.prompt_tokens
         self.completion_tokens = delta.completion_tokens

@@ -9,6 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from frontend_proc.fanout import FanOut
+from frontend_proc.logprobs import TokenEntry, completion_logprobs, entries
 from frontend_proc.schemas import CompletionRequest, parse_completion_request
 from frontend_proc.serving_common import (
     ChoiceState,
@@ -52,14 +53,26 @@ def _echo_prefix(request: CompletionRequest, index: int) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
-def _choice(index: int, text: str, state: ChoiceState) -> dict[str, Any]:
+def _choice(
+    index: int, text: str, state: ChoiceState, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
         "index": index,
         "text": text,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": state.finish_reason,
         "stop_reason": state.stop_reason,
     }
+
+
+def _all_logprobs(request: CompletionRequest, state: ChoiceState) -> dict[str, Any] | None:
+    if request.logprobs is None:
+        return None
+    tokens: list[TokenEntry] = []
+    if request.echo:
+        tokens.extend(state.prompt_logprobs.ordered())
+    tokens.extend(state.logprobs)
+    return completion_logprobs(tokens, request.logprobs)
 
 
 async def create_completion(
@@ -81,7 +94,12 @@ async def create_completion(
         async with FanOut(ctx.engine, subs) as fan:
             await collect(fan, states)
         choices = [
-            _choice(index, _echo_prefix(request, index) + state.text, state)
+            _choice(
+                index,
+                _echo_prefix(request, index) + state.text,
+                state,
+                _all_logprobs(request, state),
+            )
             for index, state in enumerate(states)
         ]
         if request.return_token_ids:
@@ -103,12 +121,29 @@ async def create_completion(
             chunk(_choice(index, _echo_prefix(request, index), empty)) for index in range(len(subs))
         ]
 
+    # Where each choice's next logprob token starts in its streamed text.
+    text_offsets = [0] * len(subs)
+
+    def chunk_logprobs(index: int, delta: TextDelta, state: ChoiceState) -> dict | None:
+        if request.logprobs is None:
+            return None
+        tokens: list[TokenEntry] = []
+        if request.echo:
+            tokens.extend(entries(delta.prompt_logprobs))
+        tokens.extend(state.new_logprobs)
+        if not tokens:
+            return None
+        result = completion_logprobs(tokens, request.logprobs, text_offsets[index])
+        text_offsets[index] += sum(len(text) for text in result["tokens"])
+        return result
+
     def chunk_for(index: int, delta: TextDelta, state: ChoiceState) -> list[dict[str, Any]]:
-        # An empty delta carries nothing unless it ends the choice.
-        if not delta.text and delta.finish_reason is None:
+        logprobs = chunk_logprobs(index, delta, state)
+        # An empty delta carries nothing unless it ends the choice or has logprobs.
+        if not delta.text and delta.finish_reason is None and logprobs is None:
             return []
         finished = delta.finish_reason is not None
-        choice = _choice(index, delta.text, state if finished else ChoiceState())
+        choice = _choice(index, delta.text, state if finished else ChoiceState(), logprobs)
         return [chunk(choice)]
 
     def final() -> list[dict[str, Any]]:

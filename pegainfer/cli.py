@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    add_limit_arguments(server)
 
     engine = parser.add_argument_group("engine")
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda")
@@ -84,10 +85,67 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="turn automatic prefix caching off",
     )
-    engine.add_argument("--tensor-parallel-size", type=int, default=1)
+    engine.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="worker ranks (GPUs) the model is sharded over, on all nodes together",
+    )
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="no overlapped scheduling: plan each step only after the previous one's tokens "
+        "are back (outputs are the same; for debugging and measurement)",
+    )
     engine.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    add_node_arguments(parser)
     return parser
+
+
+def add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    nodes = parser.add_argument_group(
+        "several hosts", "tensor parallelism across nodes; see README 'Tensor parallelism'"
+    )
+    nodes.add_argument("--nnodes", type=int, default=1, help="hosts the ranks are spread over")
+    nodes.add_argument(
+        "--node-rank", type=int, default=0, help="this host's index; 0 runs the server"
+    )
+    nodes.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        help="an address of node 0, on the interface the nodes share; node 0 binds its "
+        "TCP ports (rendezvous, node link, step plans) on this address only",
+    )
+    nodes.add_argument(
+        "--master-port",
+        type=int,
+        default=29500,
+        help="first of the TCP ports node 0 binds: master-port up to "
+        "master-port + 1 + tensor-parallel-size",
+    )
+    nodes.add_argument(
+        "--dist-interface",
+        default="",
+        help="network interface for gloo/NCCL traffic (sets GLOO_SOCKET_IFNAME and "
+        "NCCL_SOCKET_IFNAME; default: the one that routes to --master-addr)",
+    )
+    nodes.add_argument(
+        "--headless",
+        action="store_true",
+        help="on nodes 1 and up: run only this node's worker ranks, driven by node 0",
+    )
+
+
+def node_options(args: argparse.Namespace) -> dict:
+    return {
+        "nnodes": args.nnodes,
+        "node_rank": args.node_rank,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
+        "dist_interface": args.dist_interface,
+        "headless": args.headless,
+    }
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -113,14 +171,69 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.enforce_eager,
+        no_overlap=args.no_overlap,
         seed=args.seed,
         log_level=args.log_level,
+        **node_options(args),
     )
 
 
+def add_limit_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=[],
+        help="accept requests only with 'Authorization: Bearer KEY' (repeat for several keys; "
+        "/health and /metrics stay open)",
+    )
+    group.add_argument(
+        "--max-request-bytes",
+        type=parse_size,
+        default="64MiB",
+        help="largest request body; larger ones get 413",
+    )
+    group.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=-1,
+        help="refuse generation requests (503 with Retry-After) while this many wait (-1: off)",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, seconds to let requests in flight finish before aborting them",
+    )
+    group.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        default=300.0,
+        help="a step running longer than this dumps every process's stack and stops the "
+        "server (0: off)",
+    )
+
+
+def limits_from_args(args: argparse.Namespace) -> dict:
+    """The frontend's and launcher's limits, carried in EngineConfig.extra."""
+    return {
+        "api_keys": [key for key in args.api_keys if key],
+        "max_request_bytes": args.max_request_bytes,
+        "max_waiting_requests": args.max_waiting_requests,
+        "shutdown_timeout": max(0.0, args.shutdown_timeout),
+        "watchdog_timeout": max(0.0, args.watchdog_timeout),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "tap":
+        from pegainfer.tap import main as tap_main
+
+        sys.exit(tap_main(argv[1:]))
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
+    config.extra.update(limits_from_args(args))
     from pegainfer.launcher import serve
 
     sys.exit(serve(config))

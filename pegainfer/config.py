@@ -47,12 +47,21 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    no_overlap: bool = False  # one step in flight: plan only after the last result
     seed: int = 0
     log_level: str = "info"
     run_dir: str = ""
-    num_kv_blocks: int = 0  # set by the launcher from worker rank 0's report
+    num_kv_blocks: int = 0  # set by the launcher: the fewest any worker rank reported
     model: ModelInfo | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # Several hosts (see pegainfer/multinode.py): node 0 runs the tree, node k > 0 is
+    # headless and runs only its share of the worker ranks.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"  # an address of node 0; every TCP port binds it only
+    master_port: int = 29500  # and the ports above it (multinode.py lists them)
+    dist_interface: str = ""  # network interface of gloo/NCCL ("": derived)
+    headless: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

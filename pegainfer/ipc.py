@@ -12,12 +12,18 @@ connect before the PULL binds, so processes can start in any order.
 | worker-{rank} | worker rank            | scheduler: StepPlan                       |
 | detokenizer   | detokenizer            | scheduler: TokenOutputs                   |
 | frontend      | frontend               | detokenizer, tokenizers, scheduler        |
+| tap-{process} | every child (PUB)      | a copy of every message the process sends |
+
+The tap sockets let ``pegainfer tap`` watch the traffic of a running instance. A PUB socket
+drops messages while nobody subscribes, and drops rather than blocks when a subscriber is
+slow, so the server never waits for a tap.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any
 
 import zmq
@@ -51,9 +57,21 @@ SOCKET_TABLE: list[dict[str, str]] = [
         "name": "frontend",
         "bound_by": "frontend",
         "pattern": "PULL",
-        "carries": "TextOutputs, RequestRejected",
+        "carries": "TextOutputs, RequestRejected, EngineStats, Drain, EngineDead",
+    },
+    {
+        "name": "tap-{process}",
+        "bound_by": "every child",
+        "pattern": "PUB",
+        "carries": "a copy of every message the process sends: [source>destination, message]",
     },
 ]
+
+# How many messages a tap subscriber may fall behind before the tap drops for it.
+TAP_HWM = 10_000
+# The socket name each of our sockets connects or binds to, for the tap's labels.
+_socket_names: weakref.WeakKeyDictionary[zmq.Socket, str] = weakref.WeakKeyDictionary()
+_tap: _Tap | None = None
 
 
 def address(run_dir: str, name: str) -> str:
@@ -72,6 +90,7 @@ def bind(ctx: zmq.Context, kind: int, run_dir: str, name: str) -> zmq.Socket:
     sock = ctx.socket(kind)
     _configure(sock)
     sock.bind(address(run_dir, name))
+    _socket_names[sock] = name
     return sock
 
 
@@ -79,11 +98,89 @@ def connect(ctx: zmq.Context, kind: int, run_dir: str, name: str) -> zmq.Socket:
     sock = ctx.socket(kind)
     _configure(sock)
     sock.connect(address(run_dir, name))
+    _socket_names[sock] = name
+    return sock
+
+
+def bind_url(ctx: zmq.Context, kind: int, url: str, name: str) -> zmq.Socket:
+    """``bind`` to an explicit address (a ``tcp://`` one between nodes, see multinode)."""
+    sock = ctx.socket(kind)
+    _configure(sock)
+    sock.bind(url)
+    _socket_names[sock] = name
+    return sock
+
+
+def connect_url(ctx: zmq.Context, kind: int, url: str, name: str) -> zmq.Socket:
+    """``connect`` to an explicit address (a ``tcp://`` one between nodes, see multinode)."""
+    sock = ctx.socket(kind)
+    _configure(sock)
+    sock.connect(url)
+    _socket_names[sock] = name
     return sock
 
 
 def send(sock: zmq.Socket, msg: Any) -> None:
-    sock.send(protocol.encode(msg), copy=False)
+    data = protocol.encode(msg)
+    sock.send(data, copy=False)
+    if _tap is not None:
+        _tap.publish(_socket_names.get(sock, "?"), data)
+
+
+def mirror(sock: zmq.Socket, data: bytes) -> None:
+    """Copy an already encoded message sent on ``sock`` to the tap (for callers that send
+    the bytes themselves, e.g. one plan encoded once for every worker rank)."""
+    if _tap is not None:
+        _tap.publish(_socket_names.get(sock, "?"), data)
+
+
+class _Tap:
+    """This process's tap: a PUB socket that publishes ``[b"source>destination", message]``."""
+
+    def __init__(self, run_dir: str, process: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, TAP_HWM)
+        self.sock.bind(address(run_dir, tap_socket_name(process)))
+        self.prefix = process.encode() + b">"
+        self.failed = False
+
+    def publish(self, destination: str, data: bytes) -> None:
+        try:
+            self.sock.send_multipart(
+                [self.prefix + destination.encode(), data], flags=zmq.NOBLOCK, copy=False
+            )
+        except zmq.ZMQError as exc:  # the tap must never cost the server anything
+            if not self.failed:
+                self.failed = True
+                logger.warning("the tap stopped publishing: %s", exc)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def tap_socket_name(process: str) -> str:
+    return f"tap-{process}"
+
+
+def enable_tap(run_dir: str, process: str) -> None:
+    """Publish a copy of every message this process sends on its tap socket."""
+    global _tap
+    if _tap is not None:
+        return
+    try:
+        _tap = _Tap(run_dir, process)
+    except zmq.ZMQError as exc:  # e.g. a second copy of a process started by hand
+        logger.warning("no tap for %s: %s", process, exc)
+
+
+def disable_tap() -> None:
+    global _tap
+    if _tap is not None:
+        _tap.close()
+        _tap = None
 
 
 def decode_or_drop(data: bytes, expected: tuple[type, ...] | None, where: str) -> Any | None:

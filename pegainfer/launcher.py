@@ -20,7 +20,7 @@ import time
 
 import zmq
 
-from pegainfer import ipc, protocol
+from pegainfer import ipc, lifecycle, protocol
 from pegainfer.config import EngineConfig, finalize, read_model_info
 from pegainfer.manifest import write_manifest
 from pegainfer.process import PARENT_PID_ENV, set_process_title, setup_logging
@@ -128,7 +128,9 @@ class ProcessTree:
     def watch(self) -> None:
         while True:
             self.check_children()
-            ipc.drain(self.control, (protocol.ProcessReady,), "launcher")
+            for msg in ipc.drain(self.control, lifecycle.CONTROL_MESSAGES, "launcher"):
+                if isinstance(msg, protocol.WatchdogAlarm):
+                    raise ChildDied(lifecycle.watchdog_fired(self, msg))
             time.sleep(0.1)
 
 
@@ -192,9 +194,12 @@ def serve(config: EngineConfig) -> int:
         tree.watch()
     except StopRequested:
         logger.info("%s received: stopping", signal.Signals(tree.stop_signal).name)
+        if tree.stop_signal == signal.SIGTERM:
+            lifecycle.drain_frontend(tree, lifecycle.shutdown_timeout(config.extra))
         return 0
     except ChildDied as exc:
         logger.error("%s; stopping the tree", exc)
+        lifecycle.notify_engine_death(tree, str(exc))
         return 1
     finally:
         tree.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import logging
 import os
 import shutil
@@ -82,6 +83,9 @@ def init_child(name: str, run_dir: str) -> EngineConfig:
     set_process_title(name)
     config = EngineConfig.load(run_dir)
     setup_logging(name, config.log_level)
+    # The launcher's watchdog sends SIGUSR2 to every process to see where each one is stuck.
+    faulthandler.register(signal.SIGUSR2, file=sys.stderr, all_threads=True)
+    ipc.enable_tap(run_dir, name)
     # Ctrl-C reaches the whole process group; only the launcher acts on it, and it then
     # stops the children in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -49,6 +49,28 @@ def unpack_ids(data: bytes) -> list[int]:
     return unpacked.tolist()
 
 
+def pack_floats(values: Any) -> bytes:
+    """Pack a sequence of floats (list, numpy or CPU torch tensor) as little-endian float32."""
+    if hasattr(values, "numpy"):
+        values = values.numpy()
+    if hasattr(values, "astype"):
+        return values.astype("<f4", copy=False).tobytes()
+    packed = array("f", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_floats(data: bytes) -> list[float]:
+    if len(data) % 4:
+        raise ProtocolError(f"packed float buffer of {len(data)} bytes is not a multiple of 4")
+    unpacked = array("f")
+    unpacked.frombytes(data)
+    if sys.byteorder != "little":
+        unpacked.byteswap()
+    return unpacked.tolist()
+
+
 # ---------------------------------------------------------------------------
 # Records nested inside messages
 # ---------------------------------------------------------------------------
@@ -110,6 +132,13 @@ class SeqOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Set on a request's first output when its text depends on them (stop strings, special
+    # tokens, logprobs): the detokenizer learns them from here, in order with the tokens.
+    sampling: SamplingParams | None = None
+    logprobs: TokenLogprobs | None = None  # of new_token_ids, when the request asked
+    prompt_logprobs: TokenLogprobs | None = None  # a span of the prompt, for echo
+    # Seconds from arrival to the first admission, on the request's first output.
+    queue_time: float | None = None
 
 
 @dataclass
@@ -124,6 +153,30 @@ class TextDelta:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    logprobs: TokenLogprobs | None = None  # with token_bytes filled in
+    prompt_logprobs: TokenLogprobs | None = None
+    queue_time: float | None = None  # as on SeqOutput
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities of consecutive tokens of one sequence, from the raw logits
+    (log_softmax in float32, before temperature and penalties).
+
+    For sampled tokens ``start`` is the index of the first one in the output; for a prompt
+    span it is the prompt position of the first token (>= 1: the first prompt token has
+    no logprob). ``top_ids``/``top_logprobs`` hold ``num_top`` entries per token, best first.
+    ``token_bytes`` is filled by the detokenizer: the exact bytes of each token, then of each
+    top token (``n + n * num_top`` entries).
+    """
+
+    start: int
+    token_ids: bytes  # packed int32 [n]
+    logprobs: bytes  # packed float32 [n]
+    num_top: int
+    top_ids: bytes  # packed int32 [n * num_top]
+    top_logprobs: bytes  # packed float32 [n * num_top]
+    token_bytes: list[bytes] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------
@@ -218,6 +271,11 @@ class StepResult:
     seq_ids: bytes  # packed int32, the sequences that sampled, in batch order
     token_ids: bytes  # packed int32
     error: str | None = None
+    # Only for sequences that asked: entry i of ``logprobs`` belongs to logprob_seq_ids[i].
+    logprob_seq_ids: bytes = b""  # packed int32
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprob_seq_ids: bytes = b""  # packed int32
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @message(8)
@@ -242,3 +300,58 @@ class Shutdown:
     """Launcher to a child: exit cleanly."""
 
     reason: str
+
+
+@message(11)
+@dataclass
+class EngineStats:
+    """Scheduler to frontend, a few times a second while anything changes: the gauges and
+    counters behind /metrics and the admission limit on waiting requests."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks held by requests
+    num_preemptions: int  # totals since start from here on
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_steps_in_flight: int
+    oldest_step_age: float  # seconds the oldest step in flight has been running
+
+
+@message(12)
+@dataclass
+class Drain:
+    """Launcher to frontend: refuse new requests, let those in flight finish for up to
+    ``timeout`` seconds, abort the rest, then answer ``Drained``."""
+
+    timeout: float
+
+
+@message(13)
+@dataclass
+class Drained:
+    """Frontend to launcher: every request has ended; the tree may stop."""
+
+    name: str
+    num_finished: int
+    num_aborted: int
+
+
+@message(14)
+@dataclass
+class EngineDead:
+    """Launcher to frontend: a process of the engine died; fail everything in flight."""
+
+    reason: str
+
+
+@message(15)
+@dataclass
+class WatchdogAlarm:
+    """Scheduler to launcher: a step has been in flight longer than the watchdog allows."""
+
+    name: str
+    step_id: int
+    seconds: float

@@ -1,4 +1,5 @@
-"""Checks a request must pass before it may wait for the KV cache.
+"""Admission: the checks a request must pass before it may wait for the KV cache, and what
+its first step takes when it leaves the waiting queue.
 
 The tokenizer has validated the request against the model already; these checks cover what
 only the scheduler knows (the size of the KV cache, the ids in use) and guard against a
@@ -8,9 +9,13 @@ malformed message.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from pegainfer.protocol import ProtocolError, RequestRejected, TokenizedRequest, unpack_ids
-from scheduler_proc.block_manager import blocks_for_tokens
+from scheduler_proc.block_manager import BlockManager, blocks_for_tokens
+from scheduler_proc.prefix_cache import PrefixCache, PrefixNode
+from scheduler_proc.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -69,3 +74,57 @@ def reject(request_id: str, message: str, param: str | None) -> RequestRejected:
         param=param,
         code=None,
     )
+
+
+@dataclass
+class AdmissionPlan:
+    """How a waiting request starts: on the cached blocks of its longest cached prefix
+    (``hits``), computing ``num_new`` tokens after them in ``num_blocks`` new blocks."""
+
+    hits: list[PrefixNode]
+    hit_blocks: list[int]
+    num_new: int
+    num_blocks: int
+    num_cached: int  # tokens in the hit blocks (they are full)
+
+
+def plan_admission(
+    request: Request,
+    budget: int,
+    block_manager: BlockManager,
+    prefix_cache: PrefixCache | None,
+) -> AdmissionPlan | None:
+    """The waiting request's first step within ``budget`` tokens, or None if the KV cache
+    cannot take it now."""
+    # Prompt logprobs need every prompt position computed, so no cache hits.
+    use_cache = prefix_cache is not None and request.sampling.prompt_logprobs is None
+    hits = prefix_cache.match(request) if use_cache else []
+    hit_blocks = PrefixCache.blocks_of(hits)
+    num_cached = len(hits) * block_manager.block_size
+    num_new = min(request.num_tokens - num_cached, budget)
+    num_blocks = block_manager.blocks_for_tokens(num_cached + num_new) - len(hits)
+    # Taking a cached hit block back removes it from the free count, too.
+    if not block_manager.can_allocate(num_blocks + block_manager.num_unreferenced(hit_blocks)):
+        return None
+    return AdmissionPlan(hits, hit_blocks, num_new, num_blocks, num_cached)
+
+
+class EarlyAborts:
+    """Ids aborted before their request arrived (the abort overtook it on the way through a
+    tokenizer); that request is dropped when it does arrive. Oldest first, bounded."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def remember(self, request_id: str) -> None:
+        self._ids[request_id] = None
+        if len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def consume(self, request_id: str) -> bool:
+        """Whether this id was aborted early (it is forgotten then)."""
+        if request_id not in self._ids:
+            return False
+        del self._ids[request_id]
+        return True

@@ -5,16 +5,21 @@ is in exactly one state at a time:
 
 - FREE: unreferenced and holding nothing worth keeping; it sits in the free queue.
 - OWNED: referenced by one or more sequences (ref count > 0).
-- CACHED: unreferenced but holding a full block of a known prefix, so it can be reused by a
-  later request with the same prefix, or evicted (least recently freed first) when the free
-  queue runs dry. Nothing produces this state yet; the prefix cache will, and the accounting
-  here (``num_free_blocks`` counts evictable cached blocks, ``check_invariants`` checks the
-  state sets are disjoint and complete) is already shaped for it.
+- CACHED: unreferenced but holding a full block of a known prefix (the prefix cache marked it
+  reusable), so a later request with the same prefix can take it back, or it is evicted,
+  least recently used first, once the free queue runs dry. ``num_free_blocks`` counts it:
+  an allocation can always have it.
+
+The block manager knows nothing of tokens. The prefix cache marks blocks reusable
+(``mark_reusable``) and hears of every eviction through ``on_evict``, so that it can drop
+the block from its index; ``forget`` is its way to say that a block's content is no longer
+reachable.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from enum import Enum
 
 
@@ -42,12 +47,15 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         # FIFO: a freed block goes to the back, so the blocks freed longest ago are reused
-        # first; with a prefix cache this keeps recently freed content around longest.
+        # first.
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts: list[int] = [0] * num_blocks
-        # Unreferenced blocks with reusable content, least recently freed first (for LRU
-        # eviction). Keyed by block id; the value is the content hash.
-        self._cached: OrderedDict[int, int] = OrderedDict()
+        # Unreferenced reusable blocks, least recently used first (the eviction order).
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        # Blocks whose content the prefix cache indexes, owned or cached.
+        self._reusable: set[int] = set()
+        # Called with a cached block's id when an allocation evicts it.
+        self.on_evict: Callable[[int], None] | None = None
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -55,6 +63,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks an allocation can get right now: free ones plus evictable cached ones."""
         return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Unreferenced blocks kept for their content (a subset of ``num_free_blocks``)."""
+        return len(self._cached)
 
     @property
     def num_used_blocks(self) -> int:
@@ -73,6 +86,14 @@ class BlockManager:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def num_unreferenced(self, block_ids: Iterable[int]) -> int:
+        """How many of these (cached) blocks taking a reference would remove from the free
+        count."""
+        return sum(1 for block_id in block_ids if self._ref_counts[block_id] == 0)
+
+    def is_reusable(self, block_id: int) -> bool:
+        return block_id in self._reusable
 
     def state(self, block_id: int) -> BlockState:
         if self._ref_counts[block_id] > 0:
@@ -94,25 +115,33 @@ class BlockManager:
             if self._free:
                 block_id = self._free.popleft()
             else:
-                # Evict the least recently freed cached block; its content is lost.
+                # Evict the least recently used cached block; its content is lost. The hook
+                # may ``forget`` other cached blocks, which only moves them to the free queue.
                 block_id, _ = self._cached.popitem(last=False)
+                self._reusable.discard(block_id)
+                if self.on_evict is not None:
+                    self.on_evict(block_id)
             self._ref_counts[block_id] = 1
             allocated.append(block_id)
         return allocated
 
     def incref(self, block_ids: list[int]) -> None:
-        """Share already owned blocks with one more sequence."""
+        """One more reference to each block: share an owned block, or take a cached one
+        back (it stops being evictable)."""
         for block_id in block_ids:
-            if self._ref_counts[block_id] <= 0:
-                raise ValueError(f"block {block_id} is not owned; cannot share it")
+            if self._ref_counts[block_id] <= 0 and block_id not in self._cached:
+                raise ValueError(f"block {block_id} is free; its content cannot be shared")
         for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._cached[block_id]
             self._ref_counts[block_id] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block; a block nobody references becomes free.
+        """Drop one reference to each block. A block nobody references becomes cached if its
+        content is reusable, else free.
 
         Blocks are released in reverse order, so that the tail of a sequence (the part least
-        likely to be shared) is reused first.
+        likely to be shared) is evicted or reused first.
         """
         for block_id in block_ids:
             if self._ref_counts[block_id] <= 0:
@@ -120,7 +149,24 @@ class BlockManager:
         for block_id in reversed(block_ids):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
+                if block_id in self._reusable:
+                    self._cached[block_id] = None
+                else:
+                    self._free.append(block_id)
+
+    def mark_reusable(self, block_id: int) -> None:
+        """An owned block now holds indexed content: keep it cached when it is released."""
+        if self._ref_counts[block_id] <= 0:
+            raise ValueError(f"block {block_id} is not owned; only owned blocks gain content")
+        self._reusable.add(block_id)
+
+    def forget(self, block_id: int) -> None:
+        """The block's content can no longer be found: a cached block becomes free, an owned
+        one will be free when released."""
+        self._reusable.discard(block_id)
+        if block_id in self._cached:
+            del self._cached[block_id]
+            self._free.append(block_id)
 
     # -- checking --------------------------------------------------------------------------
 
@@ -134,6 +180,7 @@ class BlockManager:
         assert len(free) == len(free_set), "a block is in the free queue twice"
         cached_set = set(self._cached)
         assert not free_set & cached_set, "a block is both free and cached"
+        assert cached_set <= self._reusable, "a cached block is not reusable"
         for block_id, count in enumerate(self._ref_counts):
             assert count >= 0, f"block {block_id} has ref count {count}"
             in_free = block_id in free_set
@@ -142,4 +189,7 @@ class BlockManager:
                 assert not in_free and not in_cached, f"owned block {block_id} is also free/cached"
             else:
                 assert in_free or in_cached, f"unreferenced block {block_id} was lost"
+                assert in_free != (block_id in self._reusable), (
+                    f"unreferenced block {block_id}: free and reusable, or cached and not"
+                )
         assert all(0 <= b < self.num_blocks for b in free_set | cached_set), "foreign block id"

@@ -22,6 +22,8 @@ from pegainfer.protocol import (
     TokenOutputs,
     encode,
 )
+from scheduler_proc.monitor import StatsPublisher, StepClock, StepWatchdog, engine_stats
+from scheduler_proc.output_extras import OutputExtras
 from scheduler_proc.scheduler import Scheduler
 
 logger = logging.getLogger("scheduler_proc")
@@ -29,6 +31,7 @@ logger = logging.getLogger("scheduler_proc")
 NAME = "scheduler"
 ACCEPTED = (TokenizedRequest, AbortRequests, StepResult)
 STATS_INTERVAL_S = 10.0
+DEFAULT_WATCHDOG_TIMEOUT_S = 300.0
 
 
 class WorkerFailed(RuntimeError):
@@ -46,6 +49,8 @@ class SchedulerLoop:
         detokenizer: zmq.Socket,
         frontend: zmq.Socket,
         max_steps_in_flight: int = 1,
+        launcher: zmq.Socket | None = None,
+        watchdog_timeout: float = 0.0,
     ) -> None:
         self.scheduler = scheduler
         self.inbound = inbound
@@ -58,6 +63,13 @@ class SchedulerLoop:
         self._last_stats = time.monotonic()
         self._last_generated = 0
         self._last_prompt = 0
+        self.extras = OutputExtras()
+        self.step_clock = StepClock()
+        self.publisher = StatsPublisher(lambda stats: ipc.send(frontend, stats))
+        self.watchdog = StepWatchdog(
+            watchdog_timeout if launcher is not None else 0.0,
+            lambda alarm: ipc.send(launcher, alarm),
+        )
 
     def run(self) -> None:
         while True:
@@ -65,26 +77,40 @@ class SchedulerLoop:
 
     def run_once(self, idle_timeout_ms: int = int(STATS_INTERVAL_S * 1000)) -> None:
         if not self._ready_to_plan():
-            # Nothing to plan until a message arrives: block instead of spinning.
-            self.inbound.poll(idle_timeout_ms)
+            # Nothing to plan until a message arrives: block instead of spinning, but wake
+            # for the stats that are due and for the watchdog.
+            wake_ms = int(self.publisher.seconds_until_due() * 1000) + 1
+            if self.step_clock.oldest() is not None and self.watchdog.enabled:
+                wake_ms = min(wake_ms, 500)
+            self.inbound.poll(min(idle_timeout_ms, wake_ms))
         for msg in ipc.drain(self.inbound, ACCEPTED, NAME):
             self.handle(msg)
         self._plan()
         self._maybe_log_stats()
+        oldest = self.step_clock.oldest()
+        self.publisher.maybe_publish(
+            engine_stats(self.scheduler.stats(), oldest[1] if oldest else 0.0)
+        )
+        self.watchdog.check(oldest)
 
     def handle(self, msg: object) -> None:
         self._may_plan = True
         if isinstance(msg, StepResult):
             if msg.error is not None:
                 raise WorkerFailed(f"step {msg.step_id} failed on the worker: {msg.error}")
+            self.step_clock.done(msg.step_id)
+            owners = self.extras.owners(msg, self.scheduler.request_of_seq)
             outputs = self.scheduler.on_step_result(msg)
+            outputs = self.extras.decorate(outputs, msg, owners)
         elif isinstance(msg, TokenizedRequest):
             rejection = self.scheduler.add_request(msg)
             if rejection is not None:
                 ipc.send(self.frontend, rejection)
+            elif self.scheduler.get_request(msg.request_id) is not None:
+                self.extras.on_admitted(msg.request_id, msg.sampling)
             return
         elif isinstance(msg, AbortRequests):
-            outputs = self.scheduler.abort(msg.request_ids)
+            outputs = self.extras.decorate(self.scheduler.abort(msg.request_ids))
         else:
             logger.warning("ignored an unexpected %s", type(msg).__name__)
             return
@@ -111,8 +137,20 @@ class SchedulerLoop:
                     )
                 return
             data = encode(plan)  # encoded once, the same bytes to every rank
+            self.step_clock.sent(plan.step_id)
+            if plan.new_seqs:
+                self.extras.on_planned(
+                    [
+                        request
+                        for new in plan.new_seqs
+                        if (request := self.scheduler.request_of_seq(new.seq_id)) is not None
+                    ]
+                )
             for worker in self.workers:
                 worker.send(data, copy=False)
+                ipc.mirror(worker, data)
+            # While the workers run the step: index its blocks in the prefix cache.
+            self.scheduler.flush_prefix_cache()
 
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()
@@ -139,9 +177,18 @@ class SchedulerLoop:
 
 
 def max_steps_in_flight(config: EngineConfig) -> int:
-    """One until the workers feed sampled tokens forward on the GPU; then two."""
-    value = config.extra.get("max_steps_in_flight", 1)
-    return value if isinstance(value, int) and value >= 1 else 1
+    """Two: the workers feed sampled tokens forward on the device, so the next plan can be
+    in flight while a step's result travels back. One with ``--no-overlap``.
+    ``config.extra["max_steps_in_flight"]`` overrides both."""
+    value = config.extra.get("max_steps_in_flight")
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    return 1 if config.no_overlap else 2
+
+
+def watchdog_timeout(config: EngineConfig) -> float:
+    value = config.extra.get("watchdog_timeout", DEFAULT_WATCHDOG_TIMEOUT_S)
+    return float(value) if isinstance(value, (int, float)) and value > 0 else 0.0
 
 
 def main() -> None:
@@ -160,8 +207,16 @@ def main() -> None:
     ]
     detokenizer = ipc.connect(ctx, zmq.PUSH, args.run_dir, "detokenizer")
     frontend = ipc.connect(ctx, zmq.PUSH, args.run_dir, "frontend")
+    launcher = ipc.connect(ctx, zmq.PUSH, args.run_dir, "launcher")
     loop = SchedulerLoop(
-        scheduler, inbound, workers, detokenizer, frontend, max_steps_in_flight(config)
+        scheduler,
+        inbound,
+        workers,
+        detokenizer,
+        frontend,
+        max_steps_in_flight(config),
+        launcher=launcher,
+        watchdog_timeout=watchdog_timeout(config),
     )
     report_ready(
         ctx,

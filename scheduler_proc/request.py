@@ -5,8 +5,12 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from pegainfer.protocol import SamplingParams, SeqOutput, pack_ids
+
+if TYPE_CHECKING:
+    from scheduler_proc.prefix_cache import PrefixNode
 
 _ONE_ID = struct.Struct("<i")
 
@@ -50,6 +54,17 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Prompt tokens found in the prefix cache at the first admission (reported in usage).
+    num_cached_tokens: int = 0
+    # Prompt tokens whose KV this request computed, recomputation after preemption included.
+    num_computed_prompt_tokens: int = 0
+    # Prefix cache bookkeeping (see prefix_cache.py). ``block_keys[i]`` is the digest and
+    # packed tokens of full block i; tokens only ever grow, so the keys survive preemption.
+    block_keys: list[tuple[bytes, bytes]] = field(default_factory=list)
+    # The index entries of this request's leading blocks, one per block, while it runs.
+    prefix_nodes: list[PrefixNode] = field(default_factory=list)
+    # Set when a block could not be indexed (a digest collision): index nothing further.
+    prefix_chain_broken: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,6 +88,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Seen tokens ``start:end`` without concatenating the whole sequence."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
@@ -81,6 +105,22 @@ class Request:
     def priority_key(self) -> tuple[float, int]:
         """Older requests sort first: they are served first and preempted last."""
         return (self.arrival_time, self.arrival_index)
+
+    def summary(self) -> str:
+        """The finished request's lifecycle log line (after its id). "computed N prompt
+        tokens, M cached": N counts recomputation after preemption, M the prefix cache hit."""
+        ttft = (
+            f"{self.first_token_time - self.arrival_time:.3f}s"
+            if self.first_token_time is not None
+            else "-"
+        )
+        total = (self.finish_time or self.arrival_time) - self.arrival_time
+        return (
+            f"{self.num_prompt_tokens} prompt + {self.num_output_tokens} completion tokens, "
+            f"computed {self.num_computed_prompt_tokens} prompt tokens, "
+            f"{self.num_cached_tokens} cached, {self.finish_reason}, "
+            f"preempted {self.num_preemptions}x, ttft {ttft}, total {total:.3f}s"
+        )
 
     def to_output(self, new_token_ids: list[int]) -> SeqOutput:
         """This step's report to the detokenizer: the new tokens and, once over, how it ended."""
@@ -95,5 +135,5 @@ class Request:
             stop_reason=self.stop_reason,
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=self.num_output_tokens,
-            cached_tokens=0,  # no prefix cache yet
+            cached_tokens=self.num_cached_tokens,
         )

@@ -12,6 +12,12 @@ request stopped, a later in-flight step may still sample a token for it; that to
 for a sequence id that is no longer live and is dropped. The same holds for tokens of
 aborted and preempted sequences. Limits that do not depend on token values (max_tokens,
 max_model_len) are honoured exactly: a request is not planned past them.
+
+Prefix cache (prefix_cache.py): a waiting request starts on the cached blocks of its longest
+cached prefix, so its first plan row has ``num_computed`` > 0 and its block table begins
+with those shared blocks. The full blocks a plan computes are indexed after it is built
+(``flush_prefix_cache``, which the process calls once the plan is sent), so only later steps,
+which the workers run after it, can read them.
 """
 
 from __future__ import annotations
@@ -19,26 +25,25 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from pegainfer.config import EngineConfig
 from pegainfer.protocol import (
-    BlockTableUpdate,
-    NewSequence,
     ProtocolError,
     RequestRejected,
     SeqOutput,
     StepPlan,
     StepResult,
     TokenizedRequest,
-    pack_ids,
     unpack_ids,
 )
-from scheduler_proc.admission import check_admission
+from scheduler_proc.admission import AdmissionPlan, EarlyAborts, check_admission, plan_admission
 from scheduler_proc.block_manager import BlockManager
+from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.request import Request, RequestStatus
 from scheduler_proc.stats import SchedulerStats
+from scheduler_proc.step_builder import StepBuilder
 from scheduler_proc.stop import check_stop
 
 logger = logging.getLogger(__name__)
@@ -62,6 +67,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(config.model.eos_token_ids if config.model else ())
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.prefix_cache: PrefixCache | None = (
+            PrefixCache(self.block_manager) if config.enable_prefix_caching else None
+        )
         self._clock = clock
 
         self._requests: dict[str, Request] = {}  # every waiting or running request
@@ -72,9 +80,10 @@ class Scheduler:
         self._in_flight: dict[int, list[int]] = {}
         # Seq ids the workers must drop before the next step (finished, aborted, preempted).
         self._finished_seq_ids: list[int] = []
-        # Ids aborted before their request arrived (the abort overtook it on the way through
-        # a tokenizer); that request is dropped when it does arrive. Oldest first, bounded.
-        self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._early_aborts = EarlyAborts(EARLY_ABORT_MEMORY)
+        # Requests of the last plan whose new full blocks the prefix cache has not indexed
+        # yet (see ``flush_prefix_cache``).
+        self._unindexed: list[Request] = []
         self._next_seq_id = 0
         self._next_step_id = 0
         self._next_arrival_index = 0
@@ -82,6 +91,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # Prefix cache: tokens looked up and tokens found, at every admission.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        # Prompt tokens whose KV was computed (the prefill token count): what the prefix
+        # cache saves shows up here.
+        self.prompt_tokens_computed = 0
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -112,6 +127,10 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
 
+    def request_of_seq(self, seq_id: int) -> Request | None:
+        """The running request that owns a live seq id."""
+        return self._seq_to_request.get(seq_id)
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=self.num_running,
@@ -122,14 +141,17 @@ class Scheduler:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_steps_in_flight=self.num_steps_in_flight,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            num_cached_blocks=self.block_manager.num_cached_blocks,
         )
 
     # -- inbound ---------------------------------------------------------------------------
 
     def add_request(self, tokenized: TokenizedRequest) -> RequestRejected | None:
         """Queue a request, or refuse it if it is malformed or could never fit."""
-        if tokenized.request_id in self._early_aborts:
-            del self._early_aborts[tokenized.request_id]
+        if self._early_aborts.consume(tokenized.request_id):
             logger.info(
                 "dropped request %s: it was aborted before it arrived", tokenized.request_id
             )
@@ -162,13 +184,12 @@ class Scheduler:
         have overtaken its request (which travels through a tokenizer): that request is then
         dropped on arrival instead of running for a client that has gone.
         """
+        self.flush_prefix_cache()  # an aborted request's computed blocks stay reusable
         outputs = []
         for request_id in request_ids:
             request = self._requests.get(request_id)
             if request is None:
-                self._early_aborts[request_id] = None
-                if len(self._early_aborts) > EARLY_ABORT_MEMORY:
-                    self._early_aborts.popitem(last=False)
+                self._early_aborts.remember(request_id)
                 continue
             self._finish(request, "abort", None)
             outputs.append(request.to_output([]))
@@ -176,6 +197,7 @@ class Scheduler:
 
     def on_step_result(self, result: StepResult) -> list[SeqOutput]:
         """Take one step's sampled tokens: append them, check stops, report every change."""
+        self.flush_prefix_cache()
         samplers = self._in_flight.pop(result.step_id, None)
         if samplers is None:
             logger.warning("dropped a result for step %d, which is not in flight", result.step_id)
@@ -204,6 +226,9 @@ class Scheduler:
                 continue  # finished, aborted or preempted after this step was planned
             request.num_pending_tokens -= 1
             request.output_token_ids.append(token_id)
+            if self.prefix_cache is not None:
+                # A block whose last token was still in flight when its step was planned.
+                self.prefix_cache.register(request)
             self.generation_tokens_total += 1
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -231,11 +256,21 @@ class Scheduler:
 
     # -- planning --------------------------------------------------------------------------
 
+    def flush_prefix_cache(self) -> None:
+        """Index the blocks the last plan completed. Call it once the plan is sent, to keep
+        the hashing off the critical path; every other entry point calls it too."""
+        if self._unindexed:
+            assert self.prefix_cache is not None
+            for request in self._unindexed:
+                if request.status is RequestStatus.RUNNING:
+                    self.prefix_cache.register(request)
+            self._unindexed = []
+
     def schedule(self) -> StepPlan | None:
         """Plan the next step, or None when no request can make progress now."""
+        self.flush_prefix_cache()
         budget = self.max_num_batched_tokens
-        batch = _StepBuilder()
-        new_seqs: list[NewSequence] = []
+        batch = StepBuilder()
         preempted = False
         block_size = self.block_size
 
@@ -273,38 +308,30 @@ class Scheduler:
             and len(self._running) < self.max_num_seqs
         ):
             request = self._waiting[0]
-            num_new = min(request.num_tokens, budget)
-            num_blocks = self.block_manager.blocks_for_tokens(num_new)
-            if not self.block_manager.can_allocate(num_blocks):
+            admission = plan_admission(request, budget, self.block_manager, self.prefix_cache)
+            if admission is None:
                 break
             self._waiting.popleft()
-            self._admit(request)
-            new_seqs.append(
-                NewSequence(
-                    seq_id=request.seq_id,
-                    token_ids=pack_ids(request.all_token_ids),
-                    sampling=request.sampling,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                )
-            )
-            self._plan_one(batch, request, num_new, num_blocks)
-            budget -= num_new
+            self._admit(request, admission)
+            batch.add_new_sequence(request)
+            self._plan_one(batch, request, admission.num_new, admission.num_blocks, new_seq=True)
+            budget -= admission.num_new
 
         if not batch.seq_ids:
             return None
+        if self.prefix_cache is not None:
+            # Indexed after this plan is complete (and, ideally, sent): a block computed in
+            # this step can be read from the next step on.
+            self._unindexed = [
+                r
+                for r in batch.requests
+                if r.num_computed_tokens >= (len(r.prefix_nodes) + 1) * block_size
+            ]
         step_id = self._next_step_id
         self._next_step_id += 1
         self._in_flight[step_id] = batch.samplers
         finished, self._finished_seq_ids = self._finished_seq_ids, []
-        return StepPlan(
-            step_id=step_id,
-            new_seqs=new_seqs,
-            seq_ids=pack_ids(batch.seq_ids),
-            num_computed=pack_ids(batch.num_computed),
-            num_scheduled=pack_ids(batch.num_scheduled),
-            block_updates=batch.block_updates,
-            finished_seq_ids=pack_ids(finished),
-        )
+        return batch.build(step_id, finished)
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
         known = request.num_known_tokens
@@ -316,43 +343,66 @@ class Scheduler:
         return max(0, min(known - request.num_computed_tokens, budget))
 
     def _plan_one(
-        self, batch: _StepBuilder, request: Request, num_new: int, num_blocks: int
+        self,
+        batch: StepBuilder,
+        request: Request,
+        num_new: int,
+        num_blocks: int,
+        new_seq: bool = False,
     ) -> None:
+        """Add ``num_new`` tokens of the request to the step, with ``num_blocks`` more blocks.
+        A new sequence's update carries its whole table (prefix cache hits first)."""
         seq_id = request.seq_id
+        first_unsent = 0 if new_seq else len(request.block_ids)
         if num_blocks > 0:
-            new_blocks = self.block_manager.allocate(num_blocks)
-            request.block_ids.extend(new_blocks)
-            batch.block_updates.append(BlockTableUpdate(seq_id, pack_ids(new_blocks)))
+            request.block_ids.extend(self.block_manager.allocate(num_blocks))
+        if len(request.block_ids) > first_unsent:
+            batch.add_blocks(seq_id, request.block_ids[first_unsent:])
         computed = request.num_computed_tokens
-        batch.seq_ids.append(seq_id)
-        batch.num_computed.append(computed)
-        batch.num_scheduled.append(num_new)
-        request.num_computed_tokens = computed + num_new
         # The worker samples when the computed tokens reach the length it knows.
-        if computed + num_new == request.num_known_tokens:
+        samples = computed + num_new == request.num_known_tokens
+        batch.add_row(request, computed, num_new, samples)
+        request.num_computed_tokens = computed + num_new
+        if samples:
             request.num_pending_tokens += 1
-            batch.samplers.append(seq_id)
+        if computed < request.num_prompt_tokens:
+            prompt_part = min(computed + num_new, request.num_prompt_tokens) - computed
+            request.num_computed_prompt_tokens += prompt_part
+            self.prompt_tokens_computed += prompt_part
 
     # -- state changes ---------------------------------------------------------------------
 
-    def _admit(self, request: Request) -> None:
+    def _admit(self, request: Request, admission: AdmissionPlan) -> None:
+        """Start a waiting request as a new sequence whose first blocks are the prefix
+        cache's hits (their KV is there already)."""
         request.seq_id = self._next_seq_id
         self._next_seq_id = (self._next_seq_id + 1) & 0x7FFFFFFF  # it travels as int32
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = 0
+        self.block_manager.incref(admission.hit_blocks)
+        request.block_ids = list(admission.hit_blocks)
+        request.prefix_nodes = list(admission.hits)
+        request.prefix_chain_broken = False
+        num_cached = admission.num_cached
+        request.num_computed_tokens = num_cached
         request.num_pending_tokens = 0
+        if self.prefix_cache is not None:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
         self._seq_to_request[request.seq_id] = request
         bisect.insort(self._running, request, key=lambda r: r.priority_key)
         if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached
             logger.info(
-                "admitted request %s: %d prompt tokens",
+                "admitted request %s: %d prompt tokens, %d cached",
                 request.request_id,
                 request.num_prompt_tokens,
+                num_cached,
             )
         else:
             logger.debug(
-                "re-admitted request %s: recomputing %d tokens",
+                "re-admitted request %s: recomputing %d of %d tokens",
                 request.request_id,
+                request.num_tokens - num_cached,
                 request.num_tokens,
             )
 
@@ -363,6 +413,7 @@ class Scheduler:
         self._finished_seq_ids.append(request.seq_id)
         self.block_manager.free(request.block_ids)
         request.block_ids = []
+        request.prefix_nodes = []
         request.seq_id = -1
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0
@@ -390,30 +441,4 @@ class Scheduler:
         request.stop_reason = stop_reason
         request.finish_time = self._clock()
         del self._requests[request.request_id]
-        ttft = (
-            f"{request.first_token_time - request.arrival_time:.3f}s"
-            if request.first_token_time is not None
-            else "-"
-        )
-        logger.info(
-            "finished request %s: %d prompt + %d completion tokens, %s, ttft %s, total %.3fs",
-            request.request_id,
-            request.num_prompt_tokens,
-            request.num_output_tokens,
-            finish_reason,
-            ttft,
-            request.finish_time - request.arrival_time,
-        )
-
-
-class _StepBuilder:
-    """The step being planned, column by column."""
-
-    __slots__ = ("seq_ids", "num_computed", "num_scheduled", "samplers", "block_updates")
-
-    def __init__(self) -> None:
-        self.seq_ids: list[int] = []
-        self.num_computed: list[int] = []
-        self.num_scheduled: list[int] = []
-        self.samplers: list[int] = []  # seq ids that sample a token in this step
-        self.block_updates: list[BlockTableUpdate] = []
+        logger.info("finished request %s: %s", request.request_id, request.summary())

@@ -17,3 +17,7 @@ class SchedulerStats:
     prompt_tokens_total: int  # prompt tokens of requests that produced a first token
     generation_tokens_total: int
     num_steps_in_flight: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, in total
+    prefix_cache_hits: int = 0  # of those, tokens found
+    prompt_tokens_computed: int = 0  # prompt tokens prefilled (recomputation included)
+    num_cached_blocks: int = 0  # unreferenced blocks kept for the prefix cache

@@ -98,11 +98,60 @@ def test_invariant_check_catches_corruption() -> None:
         manager.check_invariants()
 
 
+def test_reusable_blocks_are_cached_when_released_and_evicted_lru_first() -> None:
+    manager = BlockManager(num_blocks=4, block_size=2)
+    evicted: list[int] = []
+    manager.on_evict = evicted.append
+    a, b, c = manager.allocate(3)
+    for block in (a, b, c):
+        manager.mark_reusable(block)
+    manager.free([a])
+    manager.free([c, b])  # released in reverse: b, then c
+    assert [manager.state(x) for x in (a, b, c)] == [BlockState.CACHED] * 3
+    assert manager.num_free_blocks == 4 and manager.num_cached_blocks == 3
+    assert manager.usage == 0.0
+    manager.check_invariants()
+    # Taking a cached block back makes it owned and no longer evictable.
+    manager.incref([b])
+    assert manager.state(b) is BlockState.OWNED and manager.num_free_blocks == 3
+    # The free block goes first, then the least recently released cached one.
+    first, second = manager.allocate(2)
+    assert evicted == [a] and second == a
+    assert manager.state(c) is BlockState.CACHED
+    manager.check_invariants()
+    manager.free([b])  # still reusable: cached again, most recently used
+    manager.allocate(1)
+    assert evicted == [a, c]
+    manager.check_invariants()
+
+
+def test_forget_turns_a_cached_block_free_and_an_owned_one_plain() -> None:
+    manager = BlockManager(num_blocks=3, block_size=2)
+    a, b = manager.allocate(2)
+    manager.mark_reusable(a)
+    manager.mark_reusable(b)
+    manager.free([a])
+    manager.forget(a)
+    manager.forget(b)
+    assert manager.state(a) is BlockState.FREE and not manager.is_reusable(b)
+    manager.free([b])
+    assert manager.state(b) is BlockState.FREE and manager.num_cached_blocks == 0
+    with pytest.raises(ValueError):
+        manager.mark_reusable(a)  # a free block holds nothing to keep
+    with pytest.raises(ValueError):
+        manager.incref([a])
+    manager.check_invariants()
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     num_blocks=st.integers(1, 16),
     ops=st.lists(
-        st.tuples(st.sampled_from(["alloc", "free", "share"]), st.integers(0, 6), st.integers()),
+        st.tuples(
+            st.sampled_from(["alloc", "free", "share", "mark", "revive", "forget"]),
+            st.integers(0, 6),
+            st.integers(),
+        ),
         max_size=60,
     ),
 )
@@ -110,6 +159,8 @@ def test_random_use_keeps_invariants_and_leaks_nothing(
     num_blocks: int, ops: list[tuple[str, int, int]]
 ) -> None:
     manager = BlockManager(num_blocks=num_blocks, block_size=4)
+    evicted: list[int] = []
+    manager.on_evict = evicted.append
     owners: list[list[int]] = []  # each owner holds one reference to each of its blocks
     for op, count, pick in ops:
         if op == "alloc":
@@ -124,11 +175,27 @@ def test_random_use_keeps_invariants_and_leaks_nothing(
             blocks = owners[pick % len(owners)][:count]
             manager.incref(blocks)
             owners.append(blocks)
+        elif op == "mark" and owners:
+            for block in owners[pick % len(owners)][:count]:
+                manager.mark_reusable(block)
+        elif op == "revive" and manager.num_cached_blocks:
+            cached = [b for b in range(num_blocks) if manager.state(b) is BlockState.CACHED]
+            block = cached[pick % len(cached)]
+            manager.incref([block])
+            owners.append([block])
+        elif op == "forget":
+            manager.forget(pick % num_blocks)
         manager.check_invariants()
         held = {b for blocks in owners for b in blocks}
         assert manager.num_free_blocks == num_blocks - len(held)
         for block in held:
             assert manager.ref_count(block) == sum(blocks.count(block) for blocks in owners)
+        # Evictions happen only to serve an allocation, which now owns the evicted blocks,
+        # and they lose their content.
+        if evicted:
+            assert op == "alloc" and set(evicted) <= set(owners[-1])
+            assert not any(manager.is_reusable(b) for b in evicted)
+            evicted.clear()
     for blocks in owners:
         manager.free(blocks)
     manager.check_invariants()

@@ -75,9 +75,13 @@ def config() -> EngineConfig:
     return EngineConfig(model_path="/models/tiny", served_model_name=MODEL, max_model_len=64)
 
 
-def run_with_client(engine: FakeEngine, body: Callable[[TestClient], object]) -> None:
+def run_with_client(
+    engine: FakeEngine, body: Callable[[TestClient], object], **extra: object
+) -> None:
     async def main() -> None:
-        async with TestClient(TestServer(create_app(config(), engine))) as client:
+        cfg = config()
+        cfg.extra.update(extra)
+        async with TestClient(TestServer(create_app(cfg, engine))) as client:
             await body(client)
 
     asyncio.run(main())
@@ -412,14 +416,21 @@ def test_non_streaming_disconnect_aborts():
     run_with_client(engine, body)
 
 
-def test_oversized_body_is_a_413_error_body(monkeypatch):
-    monkeypatch.setattr("frontend_proc.app.MAX_BODY_BYTES", 1000)
-
+def test_oversized_body_is_a_413_error_body():
     async def body(client):
         resp = await client.post("/v1/completions", json={"prompt": "x" * 5000})
         assert resp.status == 413
         out = await resp.json()
         assert_error(out, "invalid_request_error")
         assert "1000" in out["error"]["message"]
+        # A chunked body has no Content-Length: the limit holds while it is read.
 
-    run_with_client(FakeEngine(), body)
+        async def chunks():
+            for _ in range(5):
+                yield b"x" * 400
+
+        resp = await client.post("/v1/completions", data=chunks())
+        assert resp.status == 413
+        assert "1000" in (await resp.json())["error"]["message"]
+
+    run_with_client(FakeEngine(), body, max_request_bytes=1000)

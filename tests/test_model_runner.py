@@ -16,7 +16,6 @@ from pegainfer.protocol import (
 )
 from worker_proc.kv_cache import KVCacheSpec, default_cpu_kv_bytes
 from worker_proc.model_runner import ModelRunner, PlanError, resolve_device, resolve_dtype
-from worker_proc.sampler import Sampler
 
 pytest.importorskip("transformers")
 
@@ -227,126 +226,7 @@ def test_seeded_sampling_independent_of_batch_composition(checkpoint):
     assert scheduler.run()[5] != alone
 
 
-# --------------------------------------------------------------------------- sampler
-
-
-def _sampler() -> Sampler:
-    return Sampler(torch.device("cpu"), seed=0)
-
-
-def test_greedy_is_argmax():
-    logits = torch.randn(16, 300, generator=torch.Generator().manual_seed(0))
-    tokens = _sampler().sample(logits, [GREEDY] * 16, [None] * 16)
-    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
-    tiny = SamplingParams(temperature=1e-6)
-    assert _sampler().sample(logits, [tiny] * 16, [None] * 16).tolist() == tokens.tolist()
-
-
-def test_top_k_one_equals_greedy():
-    logits = torch.randn(32, 300, generator=torch.Generator().manual_seed(1))
-    params = [SamplingParams(temperature=1.5, top_k=1)] * 32
-    tokens = _sampler().sample(logits, params, [None] * 32)
-    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
-
-
-def _draw(params: SamplingParams, probs: list[float], n: int = 4000) -> torch.Tensor:
-    logits = torch.tensor(probs).log().expand(n, -1).contiguous()
-    return _sampler().sample(logits, [params] * n, [None] * n)
-
-
-def test_plain_sampling_follows_the_distribution():
-    probs = [0.5, 0.3, 0.15, 0.05]
-    counts = torch.bincount(_draw(SamplingParams(temperature=1.0), probs), minlength=4)
-    freq = counts.double() / counts.sum()
-    assert torch.allclose(freq, torch.tensor(probs, dtype=torch.float64), atol=0.03)
-
-
-def test_top_k_top_p_min_p_masks():
-    probs = [0.5, 0.3, 0.15, 0.05]
-    seen = set(_draw(SamplingParams(temperature=1.0, top_k=2), probs).tolist())
-    assert seen == {0, 1}
-    # top_p 0.7: token 1 is kept (0.5 before it), token 2 is not (0.8 before it).
-    seen = set(_draw(SamplingParams(temperature=1.0, top_p=0.7), probs).tolist())
-    assert seen == {0, 1}
-    seen = set(_draw(SamplingParams(temperature=1.0, top_p=0.1), probs).tolist())
-    assert seen == {0}
-    # min_p 0.2: threshold 0.2 * 0.5 = 0.1 keeps tokens 0, 1 and 2.
-    seen = set(_draw(SamplingParams(temperature=1.0, min_p=0.2), probs).tolist())
-    assert seen == {0, 1, 2}
-    # After top_k=3 renormalises to [0.526, 0.316, 0.158], top_p=0.8 drops token 2.
-    seen = set(_draw(SamplingParams(temperature=1.0, top_k=3, top_p=0.8), probs).tolist())
-    assert seen == {0, 1}
-
-
-def test_mixed_batch_applies_each_rows_settings():
-    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
-    logits = probs.log().expand(6, -1).contiguous()
-    params = [
-        GREEDY,
-        SamplingParams(temperature=1.0, top_k=1),
-        SamplingParams(temperature=1.0, top_p=0.3),
-        SamplingParams(temperature=1.0, seed=5, top_k=1),
-        SamplingParams(temperature=0.5, min_p=0.9),
-        GREEDY,
-    ]
-    sampler = _sampler()
-    generators = [sampler.make_generator(p) for p in params]
-    assert generators[3] is not None and generators[0] is None and generators[1] is None
-    assert sampler.sample(logits, params, generators).tolist() == [3] * 6
-
-
-def test_low_temperature_sharpens():
-    probs = [0.3, 0.25, 0.25, 0.2]
-    sharp = _draw(SamplingParams(temperature=0.05), probs, n=2000)
-    assert (sharp == 0).double().mean() > 0.9
-    flat = _draw(SamplingParams(temperature=1.0), probs, n=2000)
-    assert (flat == 0).double().mean() < 0.4
-
-
-def test_seeded_rows_reproducible_and_unseeded_rows_vary():
-    logits = torch.zeros(1, 1000)
-    params = SamplingParams(temperature=1.0, seed=7)
-    a, b = _sampler(), Sampler(torch.device("cpu"), seed=123)
-    gen_a, gen_b = a.make_generator(params), b.make_generator(params)
-    first = [a.sample(logits, [params], [gen_a]).item() for _ in range(5)]
-    second = [b.sample(logits, [params], [gen_b]).item() for _ in range(5)]
-    assert first == second
-    unseeded = SamplingParams(temperature=1.0)
-    draws = {_sampler().sample(logits, [unseeded], [None]).item()}
-    shared = _sampler()
-    draws |= {shared.sample(logits, [unseeded], [None]).item() for _ in range(5)}
-    assert len(draws) > 1
-
-
-def test_penalties():
-    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5, 1.9]])
-    sampler = _sampler()
-    # Token 0 appeared (in the prompt): 2.0 / 2 = 1.0 drops below token 4's 1.9.
-    params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
-    assert sampler.sample(logits, [params], [None], [([0, 2], 2)]).item() == 4
-    # Frequency: token 0 generated twice -> 2.0 - 2 * 0.6 = 0.8; token 4 sits in the prompt
-    # only, so it keeps 1.9 and wins.
-    params = SamplingParams(temperature=0.0, frequency_penalty=0.6)
-    penalised = sampler._apply_penalties(logits, [params], [([4, 0, 0], 1)])
-    assert penalised[0].tolist() == pytest.approx([0.8, 1.0, -1.0, 0.5, 1.9])
-    assert sampler.sample(logits, [params], [None], [([4, 0, 0], 1)]).item() == 4
-    # The prompt does not count for presence/frequency.
-    assert sampler.sample(logits, [params], [None], [([0, 0, 3], 3)]).item() == 0
-    # Presence: once is enough; 4 is penalised too, so 1 wins.
-    params = SamplingParams(temperature=0.0, presence_penalty=1.5)
-    assert sampler.sample(logits, [params], [None], [([0, 4], 0)]).item() == 1
-    # Repetition penalty makes a seen negative logit more negative.
-    penalised = sampler._apply_penalties(
-        logits, [SamplingParams(repetition_penalty=2.0)], [([2], 1)]
-    )
-    assert penalised[0, 2].item() == -2.0 and penalised[0, 1].item() == 1.0
-    # Rows without penalties are untouched, and the input is not modified.
-    mixed = torch.cat([logits, logits])
-    out = sampler._apply_penalties(
-        mixed, [GREEDY, SamplingParams(presence_penalty=1.0)], [([0], 0), ([0], 0)]
-    )
-    assert torch.equal(out[0], logits[0]) and out[1, 0].item() == 1.0
-    assert mixed[1, 0].item() == 2.0
+# --------------------------------------------------------------------------- sampling
 
 
 def test_runner_hands_penalised_rows_their_history(runner, monkeypatch):
@@ -355,9 +235,9 @@ def test_runner_hands_penalised_rows_their_history(runner, monkeypatch):
     seen = []
     original = runner.sampler.sample
 
-    def spy(logits, params, generators, histories=None):
+    def spy(logits, batch, positions=None, histories=None):
         seen.append(None if histories is None else [(list(t), n) for t, n in histories])
-        return original(logits, params, generators, histories)
+        return original(logits, batch, positions, histories)
 
     monkeypatch.setattr(runner.sampler, "sample", spy)
     penalised = SamplingParams(temperature=0.0, frequency_penalty=0.5)

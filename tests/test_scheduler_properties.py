@@ -34,6 +34,7 @@ abort_op = st.tuples(st.just("abort"), st.integers(0, 50))
     max_num_batched_tokens=st.integers(1, 24),
     max_model_len=st.integers(8, 64),
     steps_in_flight=st.integers(1, 2),
+    enable_prefix_caching=st.booleans(),
     # Weighted towards adds, so that caches fill up and preemption happens often.
     ops=st.lists(st.one_of(add_op, add_op, add_op, step_op, abort_op), min_size=1, max_size=40),
 )
@@ -44,6 +45,7 @@ def test_random_workloads_finish_every_request_correctly(
     max_num_batched_tokens: int,
     max_model_len: int,
     steps_in_flight: int,
+    enable_prefix_caching: bool,
     ops: list[tuple],
 ) -> None:
     num_kv_blocks = blocks_for_tokens(cache_tokens, block_size)
@@ -53,6 +55,7 @@ def test_random_workloads_finish_every_request_correctly(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
     )
     harness = Harness(config, steps_in_flight=steps_in_flight)
     accepted: dict[str, tuple[list[int], SamplingParams]] = {}

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import zmq
-from worker_helpers import engine_config, make_tiny_checkpoint
+from worker_helpers import engine_config, greedy_reference, make_tiny_checkpoint
 
 from pegainfer import ipc
 from pegainfer.protocol import (
@@ -103,3 +103,32 @@ def test_worker_exits_on_sigterm(worker):
     proc, _, _, _ = worker
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
+
+
+def test_worker_runs_plans_sent_back_to_back(worker, checkpoint):
+    """Three plans sent without waiting (as with two steps in flight): each decode reads
+    the token the step before sampled; the results come back in order and equal plain
+    greedy decoding."""
+    from worker_proc.model_runner import ModelRunner
+
+    _, _, plans, scheduler = worker
+    prompt = [1, 2, 3]
+    ipc.send(plans, _plan(0, 7, prompt))
+    for step in (1, 2):
+        ipc.send(
+            plans,
+            StepPlan(
+                step_id=step,
+                new_seqs=[],
+                seq_ids=pack_ids([7]),
+                num_computed=pack_ids([2 + step]),
+                num_scheduled=pack_ids([1]),
+                block_updates=[BlockTableUpdate(7, pack_ids([5]))] if step == 2 else [],
+                finished_seq_ids=b"",
+            ),
+        )
+    results = [ipc.recv(scheduler, (StepResult,), "test", timeout_ms=30_000) for _ in range(3)]
+    assert [r.step_id for r in results] == [0, 1, 2]
+    assert all(r.error is None and unpack_ids(r.seq_ids) == [7] for r in results)
+    tokens = [unpack_ids(r.token_ids)[0] for r in results]
+    assert tokens == greedy_reference(ModelRunner(engine_config(checkpoint)), prompt, 3)

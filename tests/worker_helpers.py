@@ -181,3 +181,66 @@ class MiniScheduler:
                     del self.seqs[seq_id]
         assert not self.seqs, "sequences left unfinished"
         return outputs
+
+
+def drive(
+    runner,
+    requests: list[tuple[str, list[int], SamplingParams]],
+    in_flight: int,
+    num_kv_blocks: int = 200,
+    max_num_batched_tokens: int = 24,
+    max_num_seqs: int = 8,
+):
+    """Serve ``requests`` with the real Scheduler and ``runner``, up to ``in_flight`` steps
+    submitted before their results are polled (one batch of polls per round, as the worker
+    loop does). Returns (tokens by request id, finish reason by request id, scheduler)."""
+    from collections import deque
+
+    from pegainfer.protocol import TokenizedRequest, unpack_ids
+    from scheduler_proc.scheduler import Scheduler
+
+    config = engine_config(
+        runner.config.model_path,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    config.num_kv_blocks = num_kv_blocks
+    scheduler = Scheduler(config)
+    for request_id, prompt, sampling in requests:
+        rejected = scheduler.add_request(
+            TokenizedRequest(request_id, pack_ids(prompt), sampling, 0.0)
+        )
+        assert rejected is None
+    outputs: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+    finish: dict[str, str] = {}
+    submitted: deque[int] = deque()
+    for _ in range(5000):
+        while scheduler.num_steps_in_flight < in_flight:
+            plan = scheduler.schedule()
+            if plan is None:
+                break
+            runner.submit(plan)
+            submitted.append(plan.step_id)
+        if not submitted:
+            break
+        for result in runner.poll_results(wait=True):
+            assert result.step_id == submitted.popleft() and result.error is None
+            for out in scheduler.on_step_result(result):
+                outputs[out.request_id].extend(unpack_ids(out.new_token_ids))
+                if out.finish_reason is not None:
+                    finish[out.request_id] = out.finish_reason
+    assert not scheduler.has_work() and not runner.has_pending()
+    # Drop the last finished sequences on the worker too.
+    finished = pack_ids(scheduler.pending_finished_seq_ids)
+    runner.execute(StepPlan(10**6, [], b"", b"", b"", [], finished))
+    assert runner.seqs == {}
+    assert runner.slots.num_free == runner.slots.capacity
+    return outputs, finish, scheduler
+
+
+def greedy_reference(runner, prompt: list[int], count: int) -> list[int]:
+    """Plain greedy decoding, one full forward per token."""
+    tokens = list(prompt)
+    for _ in range(count):
+        tokens.append(runner.prefill_logits(tokens)[-1].argmax().item())
+    return tokens[len(prompt) :]

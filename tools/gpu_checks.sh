@@ -38,6 +38,7 @@ tests)
     >"$out/gpu.txt"
   step gpu_tests python3 -m pytest -v -rs -p no:cacheprovider \
     tests/test_gpu_golden.py tests/test_model_golden.py tests/test_kernels_triton.py \
+    tests/test_kernels_triton_attention.py \
     tests/test_cuda_graphs.py tests/test_overlap.py
   ;;
 bench)

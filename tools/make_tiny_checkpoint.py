@@ -1,13 +1,22 @@
 """Write random-weight checkpoints (config.json, sharded safetensors, Qwen3 tokenizer) for tests
 and benchmarks.
 
-    python -m tools.make_tiny_checkpoint --arch qwen3 --out DIR [--preset tiny|0.6b|4b|8b]
-        [--seed N] [--dtype bfloat16|float32]
+    python -m tools.make_tiny_checkpoint --arch qwen3 --out DIR
+        [--preset tiny|micro|0.6b|4b|8b] [--seed N] [--dtype bfloat16|float32]
+        [--device auto|cpu|cuda]
 
 The tiny presets go through a transformers model and ``save_pretrained``, so their layout is
-exactly what transformers writes. The real-shape presets are written tensor by tensor
-straight to safetensors shards, because materialising an 8B transformers model on the CPU
-would take tens of GB and minutes for weights whose values do not matter.
+exactly what transformers writes. The other presets are written tensor by tensor straight
+into safetensors shards (each tensor generated and written at its offset by a pool of
+threads), because materialising an 8B transformers model on the CPU would take tens of GB
+and minutes for weights whose values do not matter. With ``--device cuda`` (the default
+when CUDA is there) the values are generated on the GPU: an 8B checkpoint is then bound by
+the disk, not by the random number generator. GPU values differ from CPU values of the same
+seed; only the CPU path is reproducible across machines.
+
+``micro`` is ``tiny`` with a 4096-token vocabulary: the cheapest real model, for measuring the
+engine's own host overhead (its LM head no longer dominates a CPU step). It keeps the Qwen3
+tokenizer, so only token ids below 4096 can be sent to it.
 """
 
 from __future__ import annotations
@@ -18,7 +27,11 @@ import json
 import math
 import os
 import shutil
+import struct
+import sys
+import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -42,6 +55,18 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3": {
         "tiny": {
             **_QWEN3_BASE,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": True,
+        },
+        "micro": {
+            **_QWEN3_BASE,
+            "vocab_size": 4096,
             "hidden_size": 64,
             "intermediate_size": 128,
             "num_hidden_layers": 2,
@@ -98,6 +123,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Presets small enough to be float32 by default (the others exist to measure speed, in bf16).
+SMALL_PRESETS = ("tiny", "micro")
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 TINY_SHARD_SIZE = "10MB"  # small enough that even a tiny model is split and gets an index
 LARGE_SHARD_BYTES = 4 * 1024**3
 
@@ -108,8 +136,11 @@ def make_checkpoint(
     preset: str = "tiny",
     seed: int = 0,
     dtype: str = "float32",
+    device: str = "cpu",
 ) -> str:
-    """Write a random checkpoint of the given architecture and preset into out_dir."""
+    """Write a random checkpoint of the given architecture and preset into out_dir.
+
+    ``device`` (cpu, cuda, auto) generates the values of the directly written presets."""
     if arch not in PRESETS:
         raise ValueError(f"unknown arch {arch!r}; choose from {sorted(PRESETS)}")
     if preset not in PRESETS[arch]:
@@ -121,7 +152,7 @@ def make_checkpoint(
     if preset == "tiny":
         _write_with_transformers(out_dir, config, seed, dtype)
     else:
-        write_direct_checkpoint(out_dir, config, seed, dtype)
+        write_direct_checkpoint(out_dir, config, seed, dtype, device=device)
     copy_qwen_tokenizer(out_dir)
     return out_dir
 
@@ -133,19 +164,29 @@ def build_config(arch: str, preset: str, dtype: str) -> Any:
     cls = Qwen3Config if arch == "qwen3" else LlamaConfig
     fields = dict(PRESETS[arch][preset])
     rope_theta = fields.pop("rope_theta")
+    # A cut-down vocabulary has no rows for Qwen's special tokens: no bos or eos then (it
+    # never stops on its own), and pad 0 because the embedding needs a row for it.
+    full_vocab = fields["vocab_size"] > QWEN_IM_END
     return cls(
         **fields,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
         architectures=[_ARCHITECTURES[arch]],
-        bos_token_id=QWEN_ENDOFTEXT,
-        eos_token_id=QWEN_IM_END,
-        pad_token_id=QWEN_ENDOFTEXT,
+        bos_token_id=QWEN_ENDOFTEXT if full_vocab else None,
+        eos_token_id=QWEN_IM_END if full_vocab else None,
+        pad_token_id=QWEN_ENDOFTEXT if full_vocab else 0,
         dtype=dtype,
     )
 
 
-def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """Deterministic random value of one parameter, the same whichever writer asks for it.
+def random_tensor(
+    name: str,
+    shape: tuple[int, ...],
+    seed: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """Deterministic random value of one parameter, the same whichever writer asks for it
+    (on one kind of device: CUDA's generator gives other values than the CPU's).
 
     Not an initialiser for training: the scales keep a random model from degenerating. With
     std 0.02 everywhere the top logits of a tiny model differ by ~1e-3 (so rounding flips the
@@ -153,10 +194,10 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dty
     one token within a few steps. Gain 2 on every projection makes attention and the MLP
     nonlinear enough that 24 greedy tokens are nearly all distinct.
     """
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if name.endswith("norm.weight"):
         # Gains near 1 but not 1, so a kernel that ignores the weight is caught.
-        return torch.randn(shape, generator=gen).mul_(0.1).add_(1.0).to(dtype)
+        return torch.randn(shape, generator=gen, device=device).mul_(0.1).add_(1.0).to(dtype)
     if "embed_tokens" in name:
         # Small beside the layers' outputs, so a tied lm_head does not just echo the input.
         std = 0.25
@@ -164,7 +205,7 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dty
         std = 2.0 / math.sqrt(shape[1])
     else:
         std = 0.02
-    return torch.randn(shape, generator=gen).mul_(std).to(dtype)
+    return torch.randn(shape, generator=gen, device=device).mul_(std).to(dtype)
 
 
 def _write_with_transformers(out_dir: str, config: Any, seed: int, dtype: str) -> None:
@@ -187,9 +228,11 @@ def write_direct_checkpoint(
     seed: int = 0,
     dtype: str = "bfloat16",
     shard_bytes: int = LARGE_SHARD_BYTES,
+    device: str = "cpu",
 ) -> None:
-    """Write config + random safetensors shards + index without building the model's weights."""
-    from safetensors.torch import save_file
+    """Write config + random safetensors shards + index without building the model's weights.
+
+    ``device``: where the values are generated (cpu, cuda, or auto: cuda when available)."""
     from transformers import AutoModelForCausalLM
 
     # A meta-device model gives the exact parameter names and shapes at no memory cost.
@@ -199,6 +242,7 @@ def write_direct_checkpoint(
     del meta_model
     torch_dtype = _DTYPES[dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    gen_device = _generation_device(device)
 
     shards: list[list[str]] = [[]]
     used = 0
@@ -210,19 +254,21 @@ def write_direct_checkpoint(
         shards[-1].append(name)
         used += size
 
+    def make(name: str) -> torch.Tensor:
+        return random_tensor(name, shapes[name], seed, torch_dtype, gen_device)
+
+    # CPU: torch releases the GIL while filling tensors, so threads use every core; each
+    # tensor has its own generator, so the values do not depend on the thread count. CUDA:
+    # generation is nearly free, and a few threads overlap the copies back with the writes.
+    workers = (os.cpu_count() or 1) if gen_device.type == "cpu" else 4
     weight_map: dict[str, str] = {}
     total = 0
-    for i, names in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        # torch releases the GIL while filling tensors, so threads use every core; each
-        # tensor has its own generator, so the values do not depend on the thread count.
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            values = pool.map(lambda n: random_tensor(n, shapes[n], seed, torch_dtype), names)
-            tensors = dict(zip(names, values))
-        save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map.update(dict.fromkeys(names, file))
-        del tensors
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for i, names in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            specs = [(n, shapes[n], torch_dtype) for n in names]
+            total += write_safetensors(os.path.join(out_dir, file), specs, make, pool)
+            weight_map.update(dict.fromkeys(names, file))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f, indent=2)
@@ -231,13 +277,76 @@ def write_direct_checkpoint(
     _add_legacy_config_keys(out_dir, config, dtype)
 
 
+def _generation_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def write_safetensors(
+    path: str,
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+    make: Callable[[str], torch.Tensor],
+    pool: ThreadPoolExecutor,
+) -> int:
+    """Write one safetensors file whose tensors ``make(name)`` produces, in parallel.
+
+    The header is written first from the shapes alone, so every tensor's place in the file
+    is known before it exists: each is generated and written at its offset by a pool thread
+    and dropped, and memory holds only the tensors in flight. Returns the data bytes.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    places = []
+    for name, shape, dtype in specs:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        places.append((name, offset, nbytes))
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    data_start = 8 + len(encoded)
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, data_start + offset)
+        _pwrite_all(fd, struct.pack("<Q", len(encoded)) + encoded, 0)
+
+        def write_one(place: tuple[str, int, int]) -> None:
+            name, start, nbytes = place
+            tensor = make(name).contiguous().cpu()
+            raw = tensor.reshape(-1).view(torch.uint8).numpy()
+            if raw.nbytes != nbytes:
+                raise RuntimeError(f"{name}: made {raw.nbytes} bytes, expected {nbytes}")
+            _pwrite_all(fd, memoryview(raw), data_start + start)
+
+        for _ in pool.map(write_one, places):
+            pass
+    finally:
+        os.close(fd)
+    return offset
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        # One write moves at most ~2 GiB on Linux; loop until all of it is down.
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
+
+
 def _generation_config(config: Any) -> Any:
     from transformers import GenerationConfig
 
     # Greedy by default: tests and benchmarks must not inherit Qwen's sampling defaults.
     return GenerationConfig(
         bos_token_id=config.bos_token_id,
-        eos_token_id=[QWEN_IM_END, QWEN_ENDOFTEXT],
+        eos_token_id=[QWEN_IM_END, QWEN_ENDOFTEXT] if config.eos_token_id is not None else None,
         pad_token_id=config.pad_token_id,
         do_sample=False,
     )
@@ -282,13 +391,28 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", choices=sorted(PRESETS), default="qwen3")
     parser.add_argument("--out", required=True, help="directory to write the checkpoint into")
-    parser.add_argument("--preset", default="tiny", help="tiny, or a real shape: 0.6b, 4b, 8b")
+    parser.add_argument(
+        "--preset", default="tiny", help="tiny, micro, or a real shape: 0.6b, 4b, 8b"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where to generate the values of non-tiny presets: auto (cuda if there), cpu, cuda",
+    )
     args = parser.parse_args(argv)
     # Real shapes exist to measure speed, which is measured in bf16.
-    dtype = args.dtype or ("float32" if args.preset == "tiny" else "bfloat16")
-    out = make_checkpoint(args.out, args.arch, args.preset, args.seed, dtype)
+    dtype = args.dtype or ("float32" if args.preset in SMALL_PRESETS else "bfloat16")
+    started = time.monotonic()
+    out = make_checkpoint(args.out, args.arch, args.preset, args.seed, dtype, args.device)
+    nbytes = sum(
+        os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors")
+    )
+    print(
+        f"wrote {nbytes / 1e9:.2f} GB of weights in {time.monotonic() - started:.1f} s",
+        file=sys.stderr,
+    )
     print(out)
 
 

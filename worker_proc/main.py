@@ -1,10 +1,17 @@
 """The worker process: one per tensor-parallel rank.
 
-``python -m worker_proc --run-dir DIR --rank R``. Loads the model and KV cache, reports
-ready to the launcher (with the number of KV blocks), then executes step plans from the
-scheduler in order; rank 0 sends each step's sampled tokens back. A failing step is fatal:
-the worker reports the error in a StepResult, and exits non-zero so that the launcher tears
-the tree down (a worker whose state may be inconsistent must not keep serving).
+``python -m worker_proc --run-dir DIR --rank R``. Loads the model and KV cache (and captures
+the decode graphs), reports ready to the launcher (with the number of KV blocks), then runs
+step plans from the scheduler in order; rank 0 sends each step's sampled tokens back.
+
+The loop overlaps steps: a plan is launched as soon as it arrives, without waiting for the
+previous step's tokens to reach the host, and each result is sent as soon as its tokens
+have arrived. The scheduler keeps up to two plans in flight, so the GPU has the next step
+queued while the host sends one result and receives the next plan.
+
+A failing step is fatal: the worker reports the error in a StepResult, and exits non-zero
+so that the launcher tears the tree down (a worker whose state may be inconsistent must not
+keep serving).
 """
 
 from __future__ import annotations
@@ -23,35 +30,58 @@ from pegainfer.protocol import StepPlan, StepResult
 logger = logging.getLogger("worker_proc")
 
 POLL_MS = 100  # wake up this often so signal handlers run while idle
+# While a step runs on the device, spin (checking for plans and finished steps) this long
+# before waiting in 1 ms sleeps: a decode step takes a few ms, a long prefill much more.
+SPIN_S = 0.002
+
+
+def _report_failure(results: zmq.Socket | None, step_id: int | None, exc: Exception) -> None:
+    logger.error("step %s failed:\n%s", step_id, traceback.format_exc())
+    if results is not None:
+        error = f"{type(exc).__name__}: {exc}"
+        step = -1 if step_id is None else step_id
+        ipc.send(results, StepResult(step_id=step, seq_ids=b"", token_ids=b"", error=error))
 
 
 def serve(runner, plans: zmq.Socket, results: zmq.Socket | None) -> int:
-    """Execute plans until one fails; returns the exit status (only ever non-zero)."""
+    """Run plans until one fails; returns the exit status (only ever non-zero).
+
+    ``runner`` offers ``submit(plan)``, ``poll_results(wait)`` and ``has_pending()``."""
+    waiting_since: float | None = None
     while True:
-        plan = ipc.recv(plans, (StepPlan,), "worker plans", timeout_ms=POLL_MS)
+        try:
+            ready = runner.poll_results(wait=False)
+        except Exception as exc:  # a device error surfaces when a step's copy completes
+            _report_failure(results, runner.oldest_pending_step_id, exc)
+            return 1
+        for result in ready:
+            if results is not None:
+                ipc.send(results, result)
+        busy = runner.has_pending()
+        if ready or not busy:
+            waiting_since = None
+        if busy:
+            # A plan may arrive while the device works: launch it right away.
+            now = time.monotonic()
+            waiting_since = waiting_since or now
+            timeout = 0 if now - waiting_since < SPIN_S else 1
+        else:
+            timeout = POLL_MS
+        plan = ipc.recv(plans, (StepPlan,), "worker plans", timeout_ms=timeout)
         if plan is None:
             continue
         try:
-            result = runner.execute(plan)
+            runner.submit(plan)
         except Exception as exc:  # any failure leaves the KV state suspect: stop
-            logger.error("step %d failed:\n%s", plan.step_id, traceback.format_exc())
-            if results is not None:
-                error = f"{type(exc).__name__}: {exc}"
-                ipc.send(
-                    results,
-                    StepResult(step_id=plan.step_id, seq_ids=b"", token_ids=b"", error=error),
-                )
+            _report_failure(results, plan.step_id, exc)
             return 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "step %d: %d seqs, %d new, %d sampled",
+                "step %d: %d seqs, %d new",
                 plan.step_id,
                 len(plan.seq_ids) // 4,
                 len(plan.new_seqs),
-                len(result.seq_ids) // 4,
             )
-        if results is not None:
-            ipc.send(results, result)
 
 
 def main() -> int:
@@ -89,6 +119,8 @@ def main() -> int:
         block_size=runner.block_size,
         device=str(runner.device),
         dtype=str(runner.dtype).removeprefix("torch."),
+        decode_graphs=len(runner.graphs.sizes) if runner.graphs is not None else 0,
+        graph_capture_s=round(runner.graph_capture_seconds, 3),
     )
     status = serve(runner, plans, results)
     if results is not None:

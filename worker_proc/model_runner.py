@@ -1,9 +1,13 @@
 """One worker rank's model, KV cache and sequence state, driven by step plans.
 
-``execute`` applies a plan's diffs (finished sequences, new sequences, new blocks), runs the
-flat batch through the model under a forward context, samples a token for every sequence
-that reached the end of its known tokens, and appends it there: the worker feeds its own
-sampled tokens back as the next decode inputs, so the scheduler never resends them.
+``submit(plan)`` applies a plan's diffs (finished sequences, new sequences, new blocks),
+launches the step (a captured CUDA graph for a pure-decode batch, eager otherwise), samples
+a token for every sequence that reached the end of its known tokens, and queues the tokens'
+asynchronous copy to the host; it returns without waiting for the device. The worker feeds
+its own sampled tokens back as the next decode inputs, from a per-sequence device slot, so
+the next plan can be launched before this one's tokens are on the host (overlapped
+scheduling). ``poll_results`` hands back the finished steps' results in order. ``execute``
+is the synchronous composition of the two.
 """
 
 from __future__ import annotations
@@ -16,15 +20,20 @@ import torch
 
 from pegainfer.config import EngineConfig
 from pegainfer.protocol import (
-    NewSequence,
-    SamplingParams,
     StepPlan,
     StepResult,
-    pack_ids,
     unpack_ids,
 )
-from worker_proc.batch import SequenceState, StepBatch, build_batch
-from worker_proc.forward_context import set_forward_context
+from worker_proc.batch import (
+    SequenceState,
+    StepBatch,
+    StepLayout,
+    TokensNotOnHost,
+    build_batch,
+    layout_step,
+)
+from worker_proc.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend, capture_sizes
+from worker_proc.forward_context import ForwardContext, set_forward_context
 from worker_proc.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
@@ -34,10 +43,16 @@ from worker_proc.kv_cache import (
     profiled_kv_bytes,
 )
 from worker_proc.layers.attention import Attention, bind_kv_caches
+from worker_proc.live_seqs import LiveSequences
+from worker_proc.live_seqs import PlanError as PlanError  # re-exported for callers
 from worker_proc.loader import load_model
+from worker_proc.logprobs import LogprobsCollector
 from worker_proc.model_config import load_model_config
 from worker_proc.parallel_state import init_distributed
-from worker_proc.sampler import Sampler, has_penalties
+from worker_proc.sampler import Sampler, SamplingBatch, has_penalties
+from worker_proc.seq_slots import SlotTable
+from worker_proc.step_results import ResultQueue
+from worker_proc.upload import Uploader
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +66,6 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-
-
-class PlanError(ValueError):
-    """A step plan inconsistent with the worker's state: a scheduler bug, never retried."""
 
 
 def resolve_device(device: str, rank: int = 0) -> torch.device:
@@ -82,7 +93,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, graph_backend: GraphBackend | None = None
+    ) -> None:
+        """``graph_backend``: how decode graphs are captured; default: CUDA graphs on a GPU
+        unless ``config.enforce_eager``, none on the CPU (tests pass a stand-in)."""
         self.config = config
         self.rank = rank
         self.device = resolve_device(config.device, rank)
@@ -116,8 +131,29 @@ class ModelRunner:
         bind_kv_caches(self.model, kv_caches)
         log_kv_cache(self.kv_spec, self.num_kv_blocks, self.device)
 
-        self.sampler = Sampler(self.device, config.seed)
-        self.seqs: dict[int, SequenceState] = {}
+        self.max_blocks_per_seq = self.kv_spec.blocks_for_tokens(config.max_model_len)
+        self.slots = SlotTable(max(config.max_num_seqs, 1), self.max_blocks_per_seq, self.device)
+        self.uploader = Uploader(self.device)
+        self.live = LiveSequences(
+            self.slots,
+            self.uploader,
+            self.model_config.vocab_size,
+            self.num_kv_blocks,
+            self.block_size,
+        )
+        self.seqs = self.live.seqs  # seq_id -> SequenceState
+        self.sampler = Sampler(self.device, config.seed, self.uploader)
+        self.results = ResultQueue(self.device)
+        self.logprobs = LogprobsCollector()  # only for sequences that ask
+        self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
+        self._early_results: list[StepResult] = []  # copied back ahead of poll_results
+
+        self.graphs: DecodeGraphs | None = None
+        self.graph_capture_seconds = 0.0
+        if graph_backend is None and self.device.type == "cuda" and not config.enforce_eager:
+            graph_backend = CudaGraphBackend(self.device)
+        if graph_backend is not None:
+            self._capture_graphs(graph_backend)
 
     # ------------------------------------------------------------------ KV cache sizing
 
@@ -143,13 +179,15 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         temp_storage, temp_caches = allocate_kv_cache(self.kv_spec, temp_blocks, self.device)
         bind_kv_caches(self.model, temp_caches)
-        seqs, next_block = [], 0
-        for i, n in enumerate(lengths):
+        tables, next_block = [], 0
+        for n in lengths:
             count = self.kv_spec.blocks_for_tokens(n)
-            table = list(range(next_block, next_block + count))
+            tables.append(list(range(next_block, next_block + count)))
             next_block += count
-            seqs.append(SequenceState(-1 - i, [0] * n, n, SamplingParams(), None, table))
-        batch = build_batch(seqs, [0] * len(seqs), lengths, self.block_size, self.device)
+        tokens = [[0] * n for n in lengths]
+        batch = build_batch(
+            tokens, tables, [0] * len(lengths), lengths, self.block_size, self.device
+        )
         hidden = self._forward(batch)
         # The logits of a full decode batch are the other large transient.
         rows = min(config.max_num_seqs, hidden.shape[0])
@@ -172,103 +210,170 @@ class ModelRunner:
         )
         return kv_bytes
 
-    # ------------------------------------------------------------------ plans
-
-    def _add_sequence(self, new: NewSequence) -> None:
-        if new.seq_id in self.seqs:
-            raise PlanError(f"new sequence {new.seq_id} is already live")
-        token_ids = unpack_ids(new.token_ids)
-        if not token_ids:
-            raise PlanError(f"new sequence {new.seq_id} has no tokens")
-        vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise PlanError(f"sequence {new.seq_id} has token ids outside [0, {vocab})")
-        self.seqs[new.seq_id] = SequenceState(
-            seq_id=new.seq_id,
-            token_ids=token_ids,
-            num_prompt_tokens=new.num_prompt_tokens,
-            sampling=new.sampling,
-            generator=self.sampler.make_generator(new.sampling),
-        )
-
-    def _append_blocks(self, seq_id: int, block_ids: list[int]) -> None:
-        seq = self.seqs.get(seq_id)
-        if seq is None:
-            raise PlanError(f"block update for unknown sequence {seq_id}")
-        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_kv_blocks):
-            raise PlanError(
-                f"sequence {seq_id}: block ids outside [0, {self.num_kv_blocks}): {block_ids}"
-            )
-        seq.block_table.extend(block_ids)
-
-    def _validate(
-        self, seq_ids: list[int], num_computed: list[int], num_scheduled: list[int]
-    ) -> list[SequenceState]:
-        if not len(seq_ids) == len(num_computed) == len(num_scheduled):
-            raise PlanError(
-                f"plan arrays differ in length: {len(seq_ids)} seq ids, "
-                f"{len(num_computed)} num_computed, {len(num_scheduled)} num_scheduled"
-            )
-        if len(set(seq_ids)) != len(seq_ids):
-            raise PlanError("a sequence appears twice in one step")
-        seqs = []
-        for seq_id, computed, scheduled in zip(seq_ids, num_computed, num_scheduled):
-            seq = self.seqs.get(seq_id)
-            if seq is None:
-                raise PlanError(f"step schedules unknown sequence {seq_id}")
-            if computed < 0 or scheduled <= 0:
-                raise PlanError(
-                    f"sequence {seq_id}: num_computed {computed}, num_scheduled {scheduled}"
-                )
-            end = computed + scheduled
-            if end > len(seq.token_ids):
-                raise PlanError(
-                    f"sequence {seq_id}: num_computed {computed} + num_scheduled {scheduled} "
-                    f"exceeds its {len(seq.token_ids)} known tokens"
-                )
-            if end > len(seq.block_table) * self.block_size:
-                raise PlanError(
-                    f"sequence {seq_id}: {end} tokens need "
-                    f"{-(-end // self.block_size)} blocks, it has {len(seq.block_table)}"
-                )
-            seqs.append(seq)
-        return seqs
+    # ------------------------------------------------------------------ CUDA graphs
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        for seq_id in unpack_ids(plan.finished_seq_ids):
-            self.seqs.pop(seq_id, None)
-        for new in plan.new_seqs:
-            self._add_sequence(new)
-        for update in plan.block_updates:
-            self._append_blocks(update.seq_id, unpack_ids(update.block_ids))
+    def _capture_graphs(self, backend: GraphBackend) -> None:
+        graphs = DecodeGraphs(
+            capture_sizes(self.config.max_num_seqs),
+            self.max_blocks_per_seq,
+            self.config.max_model_len,
+            self.model_config.vocab_size,
+            self.dtype,
+            self.device,
+        )
+
+        def forward_logits(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return self.model.compute_logits(self.model(input_ids, positions))
+
+        try:
+            self.graph_capture_seconds = graphs.capture(forward_logits, backend)
+        except Exception:
+            # Some kernel is not capturable (a host sync inside); serving still works.
+            logger.warning("decode graph capture failed; running eagerly", exc_info=True)
+            return
+        self.graphs = graphs
+
+    # ------------------------------------------------------------------ plans
+
+    def _copy_back_all(self) -> None:
+        """Wait for every queued step's tokens (kept for ``poll_results``)."""
+        self._early_results.extend(self.results.poll(wait=True))
+
+    @torch.inference_mode()
+    def submit(self, plan: StepPlan) -> None:
+        """Launch one step; its result comes out of ``poll_results`` in step order."""
+        self.live.apply_diffs(plan)
         seq_ids = unpack_ids(plan.seq_ids)
         if not seq_ids:
-            return StepResult(step_id=plan.step_id, seq_ids=b"", token_ids=b"")
+            self.results.push(plan.step_id, [], None)
+            return
         num_computed = unpack_ids(plan.num_computed)
         num_scheduled = unpack_ids(plan.num_scheduled)
-        seqs = self._validate(seq_ids, num_computed, num_scheduled)
+        seqs = self.live.batch(seq_ids, num_computed, num_scheduled)
+        if any(s.num_unresolved and has_penalties(s.sampling) for s in seqs):
+            self._copy_back_all()  # penalties read the whole history on the host
+        size = None
+        if self.graphs is not None:
+            size = self.graphs.size_for(len(seqs), max(num_scheduled))
+            if size is not None and any(s.sampling.prompt_logprobs is not None for s in seqs):
+                size = None  # prompt logprobs need the hidden states: run eagerly
+        args = (seqs, num_computed, num_scheduled, self.block_size, size, self.slots.scratch_slot)
+        try:
+            layout = layout_step(*args)
+        except TokensNotOnHost:
+            self._copy_back_all()
+            layout = layout_step(*args)
+        self._run(plan.step_id, seqs, layout, size)
 
-        batch = build_batch(seqs, num_computed, num_scheduled, self.block_size, self.device)
-        if not batch.sample_rows:
-            self._forward(batch)
-            return StepResult(step_id=plan.step_id, seq_ids=b"", token_ids=b"")
-        hidden = self._forward(batch)
-        logits = self.model.compute_logits(hidden[batch.sample_token_index]).float()
-        sampling_seqs = [seqs[row] for row in batch.sample_rows]
-        params = [s.sampling for s in sampling_seqs]
+    def _run(
+        self, step_id: int, seqs: list[SequenceState], layout: StepLayout, size: int | None
+    ) -> None:
+        (
+            input_ids,
+            positions,
+            slot_mapping,
+            row_slots,
+            pending_index,
+            pending_slot,
+            sample_index,
+            sample_slot,
+            sample_pos,
+            context_lens,
+            query_lens,
+            query_start_loc,
+        ) = self.uploader.upload(layout.arrays())
+        last_token = self.slots.last_token
+        if size is not None:
+            graphs = self.graphs
+            assert graphs is not None
+            graphs.load(
+                size,
+                input_ids,
+                positions,
+                slot_mapping,
+                context_lens,
+                self.slots.block_tables,
+                row_slots,
+            )
+            if len(layout.pending_index):
+                pending = last_token.index_select(0, pending_slot)
+                graphs.input_ids.index_copy_(0, pending_index, pending)
+            if not layout.sample_rows:
+                graphs.replay(size)
+                self.results.push(step_id, [], None)
+                return
+            logits = graphs.replay(size).index_select(0, sample_index)
+        else:
+            if len(layout.pending_index):
+                input_ids.index_copy_(0, pending_index, last_token.index_select(0, pending_slot))
+            block_tables = self.slots.block_tables[:, : layout.max_blocks].index_select(
+                0, row_slots
+            )
+            context = ForwardContext(
+                slot_mapping=slot_mapping,
+                block_tables=block_tables,
+                context_lens=context_lens,
+                query_lens=query_lens,
+                query_start_loc=query_start_loc,
+                max_query_len=layout.max_query_len,
+                max_context_len=layout.max_context_len,
+                num_seqs=layout.num_rows,
+                num_tokens=layout.num_tokens,
+            )
+            with set_forward_context(context):
+                hidden = self.model(input_ids, positions)
+            if self.rank == 0:
+                self.logprobs.prompt_step(step_id, hidden, seqs, layout, self.model.compute_logits)
+            if not layout.sample_rows:
+                self.results.push(step_id, [], None)
+                return
+            logits = self.model.compute_logits(hidden.index_select(0, sample_index))
+
+        samplers = [seqs[row] for row in layout.sample_rows]
+        batch = self._sampling_batch(samplers)
         histories = None
-        if any(has_penalties(p) for p in params):
-            histories = [(s.token_ids, s.num_prompt_tokens) for s in sampling_seqs]
-        generators = [s.generator for s in sampling_seqs]
-        tokens = self.sampler.sample(logits, params, generators, histories).tolist()
-        for seq, token in zip(sampling_seqs, tokens):
-            seq.token_ids.append(token)
-        return StepResult(
-            step_id=plan.step_id,
-            seq_ids=pack_ids([s.seq_id for s in sampling_seqs]),
-            token_ids=pack_ids(tokens),
-        )
+        if batch.penalised_rows:
+            histories = [(s.token_ids, s.num_prompt_tokens) for s in samplers]
+        tokens = self.sampler.sample(logits.float(), batch, sample_pos, histories)
+        if self.rank == 0:
+            self.logprobs.sampled_step(step_id, logits, tokens, samplers)
+        last_token.index_copy_(0, sample_slot, tokens)
+        for seq in samplers:
+            seq.num_tokens += 1
+        self.results.push(step_id, samplers, tokens)
+
+    def _sampling_batch(self, samplers: list[SequenceState]) -> SamplingBatch:
+        key = tuple(s.serial for s in samplers)
+        if self._sampling_cache is None or self._sampling_cache[0] != key:
+            batch = self.sampler.prepare(
+                [s.sampling for s in samplers], self.model_config.vocab_size
+            )
+            self._sampling_cache = (key, batch)
+        return self._sampling_cache[1]
+
+    def has_pending(self) -> bool:
+        return bool(self._early_results) or len(self.results) > 0
+
+    @property
+    def oldest_pending_step_id(self) -> int | None:
+        if self._early_results:
+            return self._early_results[0].step_id
+        return self.results.oldest_step_id
+
+    def poll_results(self, wait: bool = False) -> list[StepResult]:
+        """Results of the submitted steps whose tokens are on the host, in step order;
+        with ``wait``, of all of them."""
+        ready, self._early_results = self._early_results, []
+        return self.logprobs.attach(ready + self.results.poll(wait))
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Submit one plan and wait for its result (nothing else may be in flight)."""
+        if self.has_pending():
+            raise RuntimeError("execute() needs an idle runner; use submit and poll_results")
+        self.submit(plan)
+        (result,) = self.poll_results(wait=True)
+        return result
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         with set_forward_context(batch.context):
@@ -292,6 +397,7 @@ class ModelRunner:
             raise RuntimeError(
                 f"{len(token_ids)} tokens need {needed} free KV blocks, {len(table)} are free"
             )
-        seq = SequenceState(-1, list(token_ids), len(token_ids), SamplingParams(), None, table)
-        batch = build_batch([seq], [0], [len(token_ids)], self.block_size, self.device)
+        batch = build_batch(
+            [list(token_ids)], [table], [0], [len(token_ids)], self.block_size, self.device
+        )
         return self.model.compute_logits(self._forward(batch)).float()

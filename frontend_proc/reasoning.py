@@ -1,0 +1,85 @@
+"""Split a reasoning model's output into ``reasoning_content`` and ``content``.
+
+Qwen3-style models write their reasoning first, between ``<think>`` and ``</think>``, then the
+answer. Output that does not start with ``<think>`` (Qwen3 with ``enable_thinking: false``,
+whose template closes the think block in the prompt) is all content. The parser works on
+streamed text: it keeps back a tail that could still be the start of a tag, so a tag split
+across deltas is recognised and never leaks into either field.
+"""
+
+from __future__ import annotations
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+_BEFORE, _REASONING, _CONTENT = 0, 1, 2
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``tag``."""
+    for length in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
+
+
+class ReasoningParser:
+    """The state of one choice's output."""
+
+    __slots__ = ("_state", "_held", "_thought")
+
+    def __init__(self) -> None:
+        self._state = _BEFORE
+        self._held = ""
+        self._thought = False
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """Add streamed text; return ``(reasoning, content)`` ready to send."""
+        buffer = self._held + text
+        self._held = ""
+        reasoning = content = ""
+        if self._state == _BEFORE:
+            stripped = buffer.lstrip()
+            if stripped.startswith(THINK_START):
+                self._state = _REASONING
+                self._thought = True
+                buffer = stripped[len(THINK_START) :]
+            elif THINK_START.startswith(stripped):  # still undecided ("", "<", "<thi")
+                self._held = buffer
+                return "", ""
+            else:
+                self._state = _CONTENT
+        if self._state == _REASONING:
+            end = buffer.find(THINK_END)
+            if end < 0:
+                keep = _partial_tail(buffer, THINK_END)
+                self._held = buffer[len(buffer) - keep :] if keep else ""
+                return buffer[: len(buffer) - keep], ""
+            reasoning = buffer[:end]
+            buffer = buffer[end + len(THINK_END) :]
+            self._state = _CONTENT
+        content = buffer
+        return reasoning, content
+
+    @property
+    def saw_think(self) -> bool:
+        """Whether the output opened a think block."""
+        return self._state == _REASONING or self._thought
+
+    def flush(self) -> tuple[str, str]:
+        """What is still held back, as the output ends."""
+        held, self._held = self._held, ""
+        if self._state == _REASONING:
+            return held, ""
+        return "", held
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """A whole output as ``(reasoning_content, content)``; reasoning is None when the output
+    has no think block."""
+    parser = ReasoningParser()
+    reasoning, content = parser.feed(text)
+    more_reasoning, more_content = parser.flush()
+    if not parser.saw_think:
+        return None, content + more_content
+    return reasoning + more_reasoning, content + more_content

@@ -1,0 +1,288 @@
+"""CPU smoke runs of every benchmark in tools/, at tiny sizes, each through its one command:
+each must finish, print a table with a roofline column, and write its JSON and PNG, and the
+figures it saves must agree with what it was asked to run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from tools.bench_launch import ServerProcess  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CPU_SERVER = ["--device", "cpu", "--max-model-len", "128", "--kv-cache-memory", "16MiB"]
+# One OMP thread per model: on a small, busy machine two threads per process thrash, and a
+# micro model's step goes from a few ms to tens.
+CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def micro_dir(tmp_path_factory) -> str:
+    from tools.make_tiny_checkpoint import make_checkpoint
+
+    out = tmp_path_factory.mktemp("micro-qwen3")
+    return make_checkpoint(str(out), arch="qwen3", preset="micro", seed=0, dtype="float32")
+
+
+def run_tool(module: str, *args: str, env: dict[str, str] | None = None) -> tuple[str, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", f"tools.{module}", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **CPU_ENV, **(env or {})},
+    )
+    assert proc.returncode == 0, f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout, proc.stderr
+
+
+def outputs(out_dir, name: str) -> dict:
+    png = out_dir / f"{name}.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
+    return json.loads((out_dir / f"{name}.json").read_text())
+
+
+def assert_roofline_table(stdout: str, payload: dict) -> None:
+    header = [line for line in stdout.splitlines() if "roofline" in line and "  " in line]
+    assert header, stdout
+    assert payload["table"] and "roofline" in payload["table"]
+
+
+def test_bench_overhead(micro_dir, tmp_path):
+    stdout, _ = run_tool(
+        "bench_overhead",
+        "--model-path", micro_dir,
+        "--batches", "1,3",
+        "--input-len", "8",
+        "--output-len", "6",
+        "--micro-batches", "8,64",
+        "--micro-iters", "100",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    payload = outputs(tmp_path, "overhead")
+    assert_roofline_table(stdout, payload)
+    micro = payload["microbenchmarks"]
+    whats = {(r["what"], r["batch"]) for r in micro}
+    for batch in (8, 64):
+        for what in ("encode StepPlan", "decode StepPlan", "encode StepResult"):
+            assert (what, batch) in whats
+        assert ("Scheduler.schedule + on_step_result", batch) in whats
+    assert all(r["median_us"] > 0 for r in micro)
+    sizes = {r["batch"]: r["bytes"] for r in micro if r["what"] == "encode StepResult"}
+    assert sizes[64] > sizes[8] + 56 * 8  # two packed int32 arrays grow with the batch
+    assert "target us" in stdout and "300.00" in stdout
+    pipeline = {r["batch"]: r for r in payload["pipeline"]}
+    assert set(pipeline) == {1, 3}
+    for row in pipeline.values():
+        assert row["served_step_ms"] > 0 and row["model_step_ms"] > 0
+        assert row["overhead_ms_per_step"] == pytest.approx(
+            row["served_step_ms"] - row["model_step_ms"]
+        )
+
+
+@pytest.fixture(scope="module")
+def micro_server(micro_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serving") / "server.log"
+    with ServerProcess(micro_dir, CPU_SERVER, log_path=str(log), env=CPU_ENV) as server:
+        server.wait_ready(timeout=300)
+        yield server
+    assert server.proc.returncode == 0, server.log_tail()
+
+
+def run_serving(capsys, *args: str) -> str:
+    # In this process: it imports nothing heavy, and a fresh interpreter costs seconds here.
+    from tools import bench_serving
+
+    bench_serving.main(list(args))
+    return capsys.readouterr().out
+
+
+def test_bench_serving_poisson(micro_server, micro_dir, tmp_path, capsys):
+    stdout = run_serving(
+        capsys,
+        "--url", micro_server.base_url,
+        "--num-prompts", "6",
+        "--request-rate", "50",
+        "--input-len", "12",
+        "--input-len-range", "0.5",
+        "--output-len", "5",
+        "--roofline-device", "cpu",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    payload = outputs(tmp_path, "serving")
+    assert_roofline_table(stdout, payload)
+    summary = payload["summary"]
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 6 * 5  # ignore_eos: exactly max_tokens each
+    lens = [r["prompt_len"] for r in payload["requests"]]
+    assert min(lens) >= 6 and max(lens) <= 18
+    assert summary["total_input_tokens"] == sum(lens)
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert summary[key]["p50"] > 0 and summary[key]["p99"] >= summary[key]["p50"]
+    assert summary["e2el_ms"]["p50"] >= summary["ttft_ms"]["p50"]
+    # The roofline read the model's shape from the server's /v1/models root.
+    assert payload["roofline"]["step_ms"] > 0 and payload["roofline"]["batch"] >= 1
+
+
+def test_bench_serving_launches_its_server_and_bounds_concurrency(
+    micro_dir, tmp_path, capsys, monkeypatch
+):
+    for name, value in CPU_ENV.items():
+        monkeypatch.setenv(name, value)  # inherited by the server it starts
+    stdout = run_serving(
+        capsys,
+        "--launch",
+        "--model-path", micro_dir,
+        "--server-args", " ".join(CPU_SERVER),
+        "--num-prompts", "4",
+        "--concurrency", "2",
+        "--input-len", "8",
+        "--output-len", "3",
+        "--roofline-device", "none",
+        "--out", str(tmp_path),
+        "--name", "conc",
+    )  # fmt: skip
+    payload = outputs(tmp_path, "conc")
+    summary = payload["summary"]
+    assert summary["completed"] == 4 and summary["total_output_tokens"] == 12
+    assert payload["url"].startswith("http://127.0.0.1:")
+    assert (tmp_path / "conc-server.log").stat().st_size > 0
+    # At most 2 in flight: the mean number in the system cannot exceed it.
+    assert summary["mean_concurrency"] <= 2.05
+    assert "% of roofline" in stdout
+
+
+def test_bench_startup(micro_dir, tmp_path):
+    stdout, _ = run_tool(
+        "bench_startup",
+        "--model-path", micro_dir,
+        "--runs", "1",
+        "--idle-seconds", "0.5",
+        "--server-args", " ".join(CPU_SERVER),
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    payload = outputs(tmp_path, "startup")
+    assert_roofline_table(stdout, payload)
+    median = payload["median"]
+    assert 0 < median["ready_s"] < median["first_token_s"] < 300
+    assert median["rss_bytes"] > 50e6
+    run = payload["runs"][0]
+    assert run["exit_code"] == 0
+    names = {p["name"] for p in run["memory"]["processes"]}
+    for child in ("worker-0", "scheduler", "frontend", "detokenizer", "tokenizer-0"):
+        assert f"pegainfer::{child}" in names, names
+    # One run: its median is that run's sum over the tree.
+    assert median["rss_bytes"] == sum(p["rss"] for p in run["memory"]["processes"])
+    assert payload["weights_bytes"] == sum(
+        os.path.getsize(os.path.join(micro_dir, f))
+        for f in os.listdir(micro_dir)
+        if f.endswith(".safetensors")
+    )
+
+
+def test_bench_latency(micro_dir, tmp_path):
+    stdout, stderr = run_tool(
+        "bench_latency",
+        "--model-path", micro_dir,
+        "--device", "cpu",
+        "--contexts", "8,40",
+        "--steps", "6",
+        "--warmup-steps", "2",
+        "--out", str(tmp_path),
+        env={"PEGAINFER_PROGRESS": "1"},
+    )  # fmt: skip
+    payload = outputs(tmp_path, "latency")
+    assert_roofline_table(stdout, payload)
+    rows = {r["context"]: r for r in payload["results"]}
+    assert set(rows) == {8, 40}
+    for row in rows.values():
+        assert row["steps"] == 6
+        assert row["tok_s"] == pytest.approx(1e3 / row["ms_per_step_mean"])
+        assert row["roofline_tok_s"] == pytest.approx(1e3 / row["roofline_ms_per_step"])
+        assert row["pct_of_roofline"] == pytest.approx(
+            100 * row["roofline_ms_per_step"] / row["ms_per_step_mean"]
+        )
+    # A longer context reads more KV: its floor is higher.
+    assert rows[40]["roofline_ms_per_step"] > rows[8]["roofline_ms_per_step"]
+    assert "context 40" in stderr  # the progress bar
+
+
+def test_bench_throughput_server_with_hf_baseline(micro_dir, tmp_path):
+    stdout, _ = run_tool(
+        "bench_throughput",
+        "--model-path", micro_dir,
+        "--device", "cpu",
+        "--batches", "1,2",
+        "--input-len", "8",
+        "--output-len", "4",
+        "--hf-baseline",
+        "--hf-batches", "2",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    payload = outputs(tmp_path, "throughput")
+    assert_roofline_table(stdout, payload)
+    assert payload["engine"] == "server"
+    rows = {r["batch"]: r for r in payload["results"]}
+    assert set(rows) == {1, 2}
+    for batch, row in rows.items():
+        assert row["output_tokens"] == batch * 4
+        assert row["step_ms"] > 0 and row["roofline_step_ms"] > 0
+        assert row["step_x_roofline"] == pytest.approx(row["step_ms"] / row["roofline_step_ms"])
+    hf = {r["batch"]: r for r in payload["hf_baseline"]}
+    assert set(hf) == {2}
+    for batch, row in hf.items():
+        assert row["output_tok_s"] > 0
+        assert row["speedup"] == pytest.approx(rows[batch]["output_tok_s"] / row["output_tok_s"])
+    assert "HF tok/s" in stdout and "speedup" in stdout
+
+
+def test_bench_throughput_inprocess(micro_dir, tmp_path):
+    stdout, _ = run_tool(
+        "bench_throughput",
+        "--engine", "inprocess",
+        "--model-path", micro_dir,
+        "--device", "cpu",
+        "--batches", "1,3",
+        "--input-len", "8",
+        "--output-len", "5",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    payload = outputs(tmp_path, "throughput")
+    assert_roofline_table(stdout, payload)
+    assert "in-process" in payload["measured_through"]
+    for row in payload["results"]:
+        assert row["output_tokens"] == row["batch"] * 5
+        # The first token comes from the prefill; the other 4 from full-batch decode steps.
+        assert row["full_batch_decode_steps"] == 4
+
+
+def test_bench_serving_stops_at_its_time_limit(micro_server, tmp_path, capsys):
+    run_serving(
+        capsys,
+        "--url", micro_server.base_url,
+        "--num-prompts", "50",
+        "--request-rate", "5",
+        "--input-len", "8",
+        "--output-len", "100",
+        "--max-duration", "0.5",
+        "--warmup", "0",
+        "--roofline-device", "none",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    summary = json.loads((tmp_path / "serving.json").read_text())["summary"]
+    # About 0.5 s at 5 requests/s: a few sent, none of 100 tokens finished, the rest never sent.
+    assert summary["completed"] + summary["failed"] < 20
+    assert summary["failed"] >= 1 and "time limit reached" in summary["errors"]
+    assert summary["duration_s"] < 5

@@ -1,0 +1,108 @@
+"""Logprobs from the worker: the sampled token's logprob and top-k, and prompt logprobs over
+chunked prefill, against a full-sequence reference on the same model (CPU, float32)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from worker_helpers import MiniScheduler, engine_config, make_tiny_checkpoint
+
+from pegainfer.protocol import SamplingParams, unpack_floats, unpack_ids
+from worker_proc.logprobs import top_logprobs
+from worker_proc.model_runner import ModelRunner
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory) -> ModelRunner:
+    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("qwen3-lp")), "qwen3", seed=5)
+    return ModelRunner(engine_config(path))
+
+
+def run_collecting(runner: ModelRunner, seqs: dict[int, tuple[list[int], int, SamplingParams]]):
+    """Drive the runner (chunked prefill of 5 tokens) and keep every result."""
+    mini = MiniScheduler(runner, chunk=5, token_budget=12)
+    for seq_id, (prompt, max_new, sampling) in seqs.items():
+        mini.add(seq_id, prompt, max_new, sampling)
+    results = []
+    while mini.seqs:
+        plan, _ = mini._plan()
+        result = runner.execute(plan)
+        results.append(result)
+        for seq_id, token in zip(unpack_ids(result.seq_ids), unpack_ids(result.token_ids)):
+            seq = mini.seqs[seq_id]
+            seq.output.append(token)
+            seq.length += 1
+            if len(seq.output) == seq.max_new:
+                mini.finished.append(seq_id)
+                mini.free_blocks.extend(seq.blocks)
+                del mini.seqs[seq_id]
+    return results
+
+
+def test_top_logprobs_matches_log_softmax():
+    logits = torch.randn(3, 50)
+    targets = torch.tensor([4, 0, 49])
+    chosen, top_ids, top_values = top_logprobs(logits, targets, 5)
+    reference = torch.log_softmax(logits, dim=-1)
+    assert torch.allclose(chosen, reference[torch.arange(3), targets])
+    assert torch.equal(top_ids, reference.topk(5).indices)
+    assert torch.allclose(top_values, reference.topk(5).values)
+    _, none_ids, none_values = top_logprobs(logits, targets, 0)
+    assert none_ids.shape == (3, 0) and none_values.shape == (3, 0)
+
+
+def test_sampled_and_prompt_logprobs_match_the_full_forward(runner):
+    prompt = [7, 3, 99, 250, 11, 42, 8, 17, 300, 5, 61, 2, 90]  # 13 tokens: 3 chunks
+    asks = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2)
+    plain = SamplingParams(temperature=0.0, max_tokens=4)
+    results = run_collecting(runner, {1: (prompt, 4, asks), 2: ([5, 6, 7], 4, plain)})
+
+    sampled, prompt_entries = [], []
+    for result in results:
+        owners = unpack_ids(result.logprob_seq_ids)
+        assert set(owners) <= {1}, "only the sequence that asked gets logprobs"
+        sampled += [entry for owner, entry in zip(owners, result.logprobs) if owner == 1]
+        prompt_owners = unpack_ids(result.prompt_logprob_seq_ids)
+        assert set(prompt_owners) <= {1}
+        prompt_entries += list(result.prompt_logprobs)
+    assert len(sampled) == 4
+    output = [unpack_ids(entry.token_ids)[0] for entry in sampled]
+
+    reference = torch.log_softmax(runner.prefill_logits(prompt + output), dim=-1)
+    # Sampled tokens: the logprob of the greedy choice is the top-1 logprob.
+    for i, entry in enumerate(sampled):
+        row = reference[len(prompt) - 1 + i]
+        (value,) = unpack_floats(entry.logprobs)
+        top_ids = unpack_ids(entry.top_ids)
+        assert entry.num_top == 3 and len(top_ids) == 3
+        assert top_ids[0] == output[i] == int(row.argmax())
+        assert math.isclose(value, float(row[output[i]]), abs_tol=1e-4)
+        assert unpack_floats(entry.top_logprobs) == pytest.approx(
+            row.topk(3).values.tolist(), abs=1e-4
+        )
+
+    # Prompt: contiguous spans covering every prompt token; the first has no logprob.
+    by_position = {}
+    for entry in prompt_entries:
+        ids = unpack_ids(entry.token_ids)
+        values = unpack_floats(entry.logprobs)
+        for offset, (token, value) in enumerate(zip(ids, values)):
+            by_position[entry.start + offset] = (token, value)
+        assert entry.num_top == 2
+    assert sorted(by_position) == list(range(len(prompt)))
+    assert by_position[0][0] == prompt[0] and math.isnan(by_position[0][1])
+    for position in range(1, len(prompt)):
+        token, value = by_position[position]
+        assert token == prompt[position]
+        expected = float(reference[position - 1, prompt[position]])
+        assert math.isclose(value, expected, abs_tol=1e-4), position
+
+
+def test_no_logprobs_asked_means_none_sent(runner):
+    results = run_collecting(runner, {3: ([1, 2, 3, 4], 3, SamplingParams(temperature=0.0))})
+    assert all(not r.logprobs and not r.prompt_logprobs for r in results)
+    assert len(runner.logprobs) == 0

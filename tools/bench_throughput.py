@@ -1,0 +1,502 @@
+"""Offline throughput: a sweep of batch sizes at a fixed prompt and output length
+(``ignore_eos``), with output tok/s and the decode step time beside their rooflines, and
+optionally HF transformers ``generate`` on the same shapes as the baseline.
+
+    python -m tools.bench_throughput --model-path DIR --batches 1,8,32,64,128,256 \
+        --input-len 1024 --output-len 128 --hf-baseline --out DIR
+
+``--engine server`` (the default) measures the real process tree: one `pegainfer` is started
+with --max-num-seqs = the largest batch, and each batch is B concurrent streaming
+/v1/completions requests with random token-id prompts. The decode step time is the median
+inter-token latency seen by the clients; it includes every hop of the pipeline.
+``--engine inprocess`` drives ``scheduler_proc.scheduler.Scheduler`` and
+``worker_proc.model_runner.ModelRunner`` in one process, two steps in flight as the processes
+do: the decode step time is then the median gap between results of consecutive steps that
+decoded the full batch, with no IPC, HTTP or detokenization in it. ``--no-overlap`` runs one
+step at a time in both engines.
+
+Rooflines (measured in this run): a decode step of batch B reads the weights once plus the KV
+cache of B contexts (the mean context of the run, input + output / 2); the whole run's floor
+is the prefill of every prompt plus output - 1 such decode steps, which gives the roofline
+output tok/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import statistics
+import time
+from collections import deque
+from typing import Any
+
+from tools.bench_client import clamp_vocab_range, random_token_prompts
+from tools.bench_common import (
+    ModelShape,
+    Roofline,
+    decode_roofline_s,
+    generation_roofline_s,
+    load_model_shape,
+    measure_roofline,
+    parse_int_list,
+    pct,
+    print_table,
+    progress,
+    resolve_device,
+    resolve_dtype,
+    run_metadata,
+    save_json,
+    save_plot,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--engine", choices=["server", "inprocess"], default="server")
+    p.add_argument("--batches", default="1,8,32,64,128,256")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: max(8192, input)")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-overlap", action="store_true", help="one step in flight (both engines)")
+    p.add_argument("--server-args", default="", help="extra pegainfer arguments (server)")
+    p.add_argument("--hf-baseline", action="store_true", help="also run HF transformers generate")
+    p.add_argument("--hf-batches", default="1,64")
+    p.add_argument("--vocab-range", type=int, nargs=2, default=(100, 10000), metavar=("LO", "HI"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per batch")
+    p.add_argument("--out", default="bench_results")
+    p.add_argument("--name", default="throughput")
+    return p
+
+
+def batched_tokens(args: argparse.Namespace) -> int:
+    # Large enough that a wave of prompts is prefilled in a few steps, so the batch is full
+    # while most of its decode steps run.
+    return args.max_num_batched_tokens or max(8192, args.input_len)
+
+
+# ---------------------------------------------------------------------------------------------
+# pegainfer through the process tree
+# ---------------------------------------------------------------------------------------------
+
+
+def sweep_server(args: argparse.Namespace, batches: list[int]) -> list[dict[str, Any]]:
+    from tools.bench_client import aggregate, run_load, served_model
+    from tools.bench_launch import ServerProcess
+
+    server_args = [
+        "--max-num-seqs", str(max(batches)),
+        "--max-model-len", str(args.input_len + args.output_len + 8),
+        "--max-num-batched-tokens", str(batched_tokens(args)),
+        "--device", args.device,
+        "--dtype", args.dtype,
+        "--no-prefix-cache",
+    ]  # fmt: skip
+    if args.enforce_eager:
+        server_args.append("--enforce-eager")
+    if args.no_overlap:
+        server_args.append("--no-overlap")
+    server_args += shlex.split(args.server_args)
+    os.makedirs(args.out, exist_ok=True)
+    log = os.path.join(args.out, f"{args.name}-server.log")
+    rows = []
+    with ServerProcess(args.model_path, server_args, log_path=log) as server:
+        ready_s = server.wait_ready()
+        print(f"server ready in {ready_s:.1f} s (log: {log})", flush=True)
+        model, _ = served_model(server.base_url)
+        # One short request first: lazy initialisation must not land in the first batch.
+        vocab = clamp_vocab_range(args.vocab_range, args.model_path)
+        warm = random_token_prompts([min(16, args.input_len)], vocab, 99)
+        asyncio.run(run_load(server.base_url, model, warm, [2]))
+        for i, batch in enumerate(batches):
+            prompts = random_token_prompts([args.input_len] * batch, vocab, args.seed + i)
+            results, wall = _run_batch(args, server.base_url, model, prompts)
+            summary = aggregate(results, wall)
+            if summary["failed"]:
+                raise RuntimeError(
+                    f"batch {batch}: {summary['failed']} failed: {summary['errors']}"
+                )
+            rows.append(
+                {
+                    "batch": batch,
+                    "wall_s": wall,
+                    "output_tokens": summary["total_output_tokens"],
+                    "output_tok_s": summary["output_throughput"],
+                    "ttft_p50_ms": summary["ttft_ms"]["p50"],
+                    "step_ms": summary["itl_ms"]["p50"],
+                    "step_p90_ms": summary["itl_ms"]["p90"],
+                }
+            )
+    return rows
+
+
+def _run_batch(
+    args: argparse.Namespace, base_url: str, model: str, prompts: list[list[int]]
+) -> tuple[list[Any], float]:
+    from tools.bench_client import run_load
+
+    bar = progress(len(prompts), f"batch {len(prompts)}", "req")
+    try:
+        return asyncio.run(
+            run_load(
+                base_url,
+                model,
+                prompts,
+                [args.output_len] * len(prompts),
+                concurrency=len(prompts),
+                max_duration=args.timeout,
+                request_timeout=args.timeout,
+                on_done=lambda _: bar.update(1),
+            )
+        )
+    finally:
+        bar.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# pegainfer in one process: Scheduler + ModelRunner
+# ---------------------------------------------------------------------------------------------
+
+
+def make_inprocess_runner(
+    args: argparse.Namespace, max_batch: int, shape: ModelShape
+) -> tuple[Any, Any]:
+    """A ModelRunner with exactly the KV blocks the sweep needs (no profile run), and the
+    engine config a Scheduler for it needs."""
+    from pegainfer.config import EngineConfig, finalize, read_model_info
+    from worker_proc.model_runner import ModelRunner
+
+    block_size = 16
+    max_model_len = args.input_len + args.output_len + 8
+    blocks = max_batch * (-(-max_model_len // block_size) + 1)
+    config = EngineConfig(
+        model_path=args.model_path,
+        served_model_name="bench",
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=max_batch,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=batched_tokens(args),
+        block_size=block_size,
+        kv_cache_memory=blocks * block_size * shape.kv_bytes_per_token,
+        enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+        model=read_model_info(args.model_path),
+    )
+    config = finalize(config)
+    runner = ModelRunner(config, 0)
+    config.num_kv_blocks = runner.num_kv_blocks
+    return runner, config
+
+
+def run_inprocess_batch(
+    runner: Any,
+    config: Any,
+    prompts: list[list[int]],
+    output_len: int,
+    tag: str = "",
+    in_flight: int = 2,
+) -> dict[str, Any]:
+    """Serve ``prompts`` to completion with a fresh Scheduler driving ``runner``, with up to
+    ``in_flight`` steps submitted ahead (as the scheduler and worker processes do).
+
+    ``step_ms``: the median gap between two results arriving, over consecutive steps that
+    both decoded the full batch. ``runner_step_ms``: the median time from submitting such a
+    step to its result (with one in flight: the runner's own cost of the step)."""
+    from pegainfer.protocol import (
+        SamplingParams,
+        StepPlan,
+        TokenizedRequest,
+        pack_ids,
+        unpack_ids,
+    )
+    from scheduler_proc.scheduler import Scheduler
+    from tools.bench_common import synchronize
+
+    batch = len(prompts)
+    scheduler = Scheduler(config)
+    sampling = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    now = time.time()
+    for j, prompt in enumerate(prompts):
+        request = TokenizedRequest(f"{tag}{batch}-{j}", pack_ids(prompt), sampling, now)
+        rejected = scheduler.add_request(request)
+        if rejected is not None:
+            raise RuntimeError(f"request rejected: {rejected.message}")
+    pending: deque[tuple[int, bool, float]] = deque()  # step id, full decode, submitted at
+    intervals: list[float] = []
+    runner_times: list[float] = []
+    first_token_s: list[float] = []
+    tokens = 0
+    last_done, last_full = 0.0, False
+    bar = progress(batch * output_len, f"{tag}batch {batch}", "tok")
+    synchronize(runner.device)
+    began = time.perf_counter()
+    while scheduler.has_work() or pending:
+        while len(pending) < in_flight and scheduler.has_work():
+            plan = scheduler.schedule()
+            if plan is None:
+                break
+            scheduled = unpack_ids(plan.num_scheduled)
+            full = len(scheduled) == batch and all(n == 1 for n in scheduled)
+            pending.append((plan.step_id, full, time.perf_counter()))
+            runner.submit(plan)
+        if not pending:
+            raise RuntimeError("the scheduler has work but planned no step")
+        for result in runner.poll_results(wait=in_flight == 1):
+            done = time.perf_counter()
+            step_id, full, submitted = pending.popleft()
+            if result.step_id != step_id or result.error:
+                raise RuntimeError(f"step {step_id}: got {result.step_id}, {result.error}")
+            if full:
+                runner_times.append(done - submitted)
+                if last_full:
+                    intervals.append(done - last_done)
+            last_done, last_full = done, full
+            for output in scheduler.on_step_result(result):
+                if output.completion_tokens == 1 and output.new_token_ids:
+                    first_token_s.append(done - began)
+            sampled = len(result.token_ids) // 4
+            tokens += sampled
+            bar.update(sampled)
+    wall = time.perf_counter() - began
+    bar.close()
+    # The runner must drop the finished sequences: the next batch reuses their ids.
+    finished = pack_ids(scheduler.pending_finished_seq_ids)
+    runner.execute(StepPlan(-1, [], b"", b"", b"", [], finished))
+    ordered = sorted(intervals)
+
+    def median_ms(values: list[float]) -> float | None:
+        return statistics.median(values) * 1e3 if values else None
+
+    return {
+        "batch": batch,
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / wall,
+        "ttft_p50_ms": median_ms(first_token_s),
+        "step_ms": median_ms(ordered),
+        "step_p90_ms": ordered[int(0.9 * (len(ordered) - 1))] * 1e3 if ordered else None,
+        "runner_step_ms": median_ms(runner_times),
+        "full_batch_decode_steps": len(runner_times),
+        "in_flight": in_flight,
+    }
+
+
+def sweep_inprocess(
+    args: argparse.Namespace, batches: list[int], shape: ModelShape
+) -> list[dict[str, Any]]:
+    runner, config = make_inprocess_runner(args, max(batches), shape)
+    vocab = clamp_vocab_range(args.vocab_range, args.model_path)
+    # Warm-up: lazy initialisation must not land in the first batch.
+    in_flight = 1 if args.no_overlap else 2
+    warm = random_token_prompts([16], vocab, 99)
+    run_inprocess_batch(runner, config, warm, 2, "warm-up ", in_flight)
+    rows = []
+    for i, batch in enumerate(batches):
+        prompts = random_token_prompts([args.input_len] * batch, vocab, args.seed + i)
+        rows.append(run_inprocess_batch(runner, config, prompts, args.output_len, "", in_flight))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# HF transformers baseline
+# ---------------------------------------------------------------------------------------------
+
+
+def _hf_generate(model: Any, input_ids: Any, num_tokens: int) -> Any:
+    import torch
+
+    with torch.inference_mode():
+        return model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,  # eos cannot end it early
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+
+def hf_baseline(args: argparse.Namespace, batches: list[int]) -> list[dict[str, Any]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tools.bench_common import synchronize
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).to(device).eval()
+    vocab = clamp_vocab_range(args.vocab_range, args.model_path)
+    rows = []
+    for i, batch in enumerate(batches):
+        prompts = random_token_prompts([args.input_len] * batch, vocab, args.seed + i)
+        input_ids = torch.tensor(prompts, device=device)
+        _hf_generate(model, input_ids, 2)  # warm-up: kernels, allocator
+        synchronize(device)
+        began = time.perf_counter()
+        out = _hf_generate(model, input_ids, args.output_len)
+        synchronize(device)
+        wall = time.perf_counter() - began
+        tokens = (out.shape[1] - args.input_len) * batch
+        rows.append({"batch": batch, "wall_s": wall, "output_tok_s": tokens / wall})
+        print(f"HF transformers batch {batch}: {tokens / wall:.1f} output tok/s", flush=True)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def add_rooflines(
+    rows: list[dict[str, Any]], args: argparse.Namespace, shape: ModelShape, roof: Roofline
+) -> None:
+    context = args.input_len + args.output_len // 2
+    for row in rows:
+        batch = row["batch"]
+        step_roof_ms = decode_roofline_s(shape, roof, [context] * batch) * 1e3
+        run_roof_s = generation_roofline_s(shape, roof, batch, args.input_len, args.output_len)
+        row["roofline_step_ms"] = step_roof_ms
+        row["step_x_roofline"] = row["step_ms"] / step_roof_ms if row["step_ms"] else None
+        row["roofline_output_tok_s"] = batch * args.output_len / run_roof_s
+        row["pct_of_roofline"] = pct(row["output_tok_s"], row["roofline_output_tok_s"])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    batches = parse_int_list(args.batches)
+    hf_batches = parse_int_list(args.hf_batches)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    shape = load_model_shape(args.model_path, dtype_bytes=dtype.itemsize)
+    roof = measure_roofline(device, dtype)
+    print(roof.describe(), flush=True)
+
+    if args.engine == "server":
+        rows = sweep_server(args, batches)
+    else:
+        rows = sweep_inprocess(args, batches, shape)
+    add_rooflines(rows, args, shape, roof)
+    how = (
+        "the process tree (HTTP streaming; step = median inter-token latency)"
+        if args.engine == "server"
+        else "an in-process Scheduler + ModelRunner (step = median gap between full-batch "
+        "decode results)"
+    )
+    title = (
+        f"offline throughput through {how}: {args.input_len} in, {args.output_len} out, "
+        f"ignore_eos, {shape.architecture}, {roof.dtype}, {roof.device}"
+    )
+    text = print_table(
+        title,
+        [
+            "batch",
+            "wall s",
+            "out tok/s",
+            "roofline tok/s",
+            "% of roofline",
+            "TTFT p50 ms",
+            "step ms",
+            "roofline step ms",
+            "step / roofline",
+        ],
+        [
+            [
+                r["batch"],
+                r["wall_s"],
+                r["output_tok_s"],
+                r["roofline_output_tok_s"],
+                r["pct_of_roofline"],
+                r["ttft_p50_ms"],
+                r["step_ms"],
+                r["roofline_step_ms"],
+                r["step_x_roofline"],
+            ]
+            for r in rows
+        ],
+    )
+    print(roof.describe() + "; target: decode step <= 1.3x its roofline at batch 8-256")
+
+    hf_rows: list[dict[str, Any]] = []
+    if args.hf_baseline:
+        hf_rows = hf_baseline(args, hf_batches)
+        ours = {r["batch"]: r["output_tok_s"] for r in rows}
+        for row in hf_rows:
+            mine = ours.get(row["batch"])
+            row["pegainfer_tok_s"] = mine
+            row["speedup"] = mine / row["output_tok_s"] if mine else None
+            row["roofline_output_tok_s"] = (
+                row["batch"]
+                * args.output_len
+                / generation_roofline_s(shape, roof, row["batch"], args.input_len, args.output_len)
+            )
+        text += "\n" + print_table(
+            "HF transformers generate (greedy, same shapes) vs pegainfer; target >= 10x at batch 64",
+            ["batch", "HF tok/s", "pegainfer tok/s", "speedup", "roofline tok/s"],
+            [
+                [
+                    r["batch"],
+                    r["output_tok_s"],
+                    r["pegainfer_tok_s"],
+                    r["speedup"],
+                    r["roofline_output_tok_s"],
+                ]
+                for r in hf_rows
+            ],
+        )
+
+    payload = {
+        "benchmark": "throughput",
+        "engine": args.engine,
+        "measured_through": how,
+        "meta": run_metadata(argv),
+        "args": vars(args),
+        "roofline": roof,
+        "model_shape": shape,
+        "results": rows,
+        "hf_baseline": hf_rows,
+        "table": text,
+    }
+    save_json(args.out, args.name, payload)
+
+    def draw(axes: list) -> None:
+        b = [r["batch"] for r in rows]
+        axes[0].plot(b, [r["output_tok_s"] for r in rows], "o-", label="pegainfer")
+        axes[0].plot(b, [r["roofline_output_tok_s"] for r in rows], "k--", label="roofline")
+        if hf_rows:
+            axes[0].plot(
+                [r["batch"] for r in hf_rows],
+                [r["output_tok_s"] for r in hf_rows],
+                "s-",
+                label="HF transformers",
+            )
+        axes[0].set_ylabel("output tok/s")
+        axes[1].plot(b, [r["step_ms"] for r in rows], "o-", label="decode step")
+        axes[1].plot(b, [r["roofline_step_ms"] for r in rows], "k--", label="roofline")
+        axes[1].plot(
+            b, [1.3 * r["roofline_step_ms"] for r in rows], "r:", label="target 1.3x roofline"
+        )
+        axes[1].set_ylabel("ms per decode step")
+        for ax in axes:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(b, [str(x) for x in b])
+            ax.set_xlabel("batch")
+            ax.grid(alpha=0.3)
+            ax.legend()
+
+    save_plot(args.out, args.name, draw, title.split(":")[0] + f" ({roof.device})", ncols=2)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
