@@ -20,7 +20,7 @@ import time
 
 import zmq
 
-from pegainfer import ipc, lifecycle, protocol
+from pegainfer import ipc, lifecycle, multinode, protocol
 from pegainfer.config import EngineConfig, finalize, read_model_info
 from pegainfer.manifest import write_manifest
 from pegainfer.process import PARENT_PID_ENV, set_process_title, setup_logging
@@ -47,6 +47,13 @@ class ProcessTree:
         self.ctx = zmq.Context()
         self.control = ipc.bind(self.ctx, zmq.PULL, self.run_dir, "launcher")
         self.stop_signal: int | None = None
+        self.failure: str | None = None  # why the tree stops, when a child failed
+        # Node 0 of several: the headless nodes' launchers report to this link.
+        self.link = None
+        if config.nnodes > 1 and not config.headless:
+            from pegainfer.node_link import NodeLinkServer
+
+            self.link = NodeLinkServer(self.ctx, config)
 
     # -- children ---------------------------------------------------------
 
@@ -62,25 +69,44 @@ class ProcessTree:
     def check_children(self) -> None:
         if self.stop_signal is not None:
             raise StopRequested
-        for name, proc in self.children.items():
-            code = proc.poll()
-            if code is not None:
-                raise ChildDied(
-                    f"process pegainfer::{name} (pid {proc.pid}) {_describe_exit(code)}"
-                )
+        dead = [(name, proc, proc.poll()) for name, proc in self.children.items()]
+        dead = [(name, proc, code) for name, proc, code in dead if code is not None]
+        if dead:
+            # Several may be found dead at once when one death takes others with it (a
+            # killed rank makes its peers' collectives fail): name the killed one first.
+            dead.sort(key=lambda entry: entry[2] >= 0)
+            described = [f"pegainfer::{n} (pid {p.pid}) {_describe_exit(c)}" for n, p, c in dead]
+            also = f" (then {', '.join(described[1:])})" if len(described) > 1 else ""
+            raise ChildDied(f"process {described[0]}{also}")
+
+    def _poll_link(self) -> list[protocol.ProcessReady]:
+        """The ready messages of other nodes' workers; a lost node is a dead child."""
+        if self.link is None:
+            return []
+        from pegainfer.node_link import NodeLost
+
+        try:
+            ready = self.link.poll()
+            self.link.check()
+        except NodeLost as exc:
+            raise ChildDied(str(exc)) from None
+        return ready
 
     def wait_ready(self, names: list[str]) -> None:
         waiting = set(names) - set(self.ready)
         while waiting:
             self.check_children()
             msg = ipc.recv(self.control, (protocol.ProcessReady,), "launcher", timeout_ms=100)
-            if msg is None:
-                continue
-            self.ready[msg.name] = msg
-            waiting.discard(msg.name)
-            logger.info("%s ready (pid %d)", msg.name, msg.pid)
+            for ready in ([msg] if msg is not None else []) + self._poll_link():
+                self.ready[ready.name] = ready
+                waiting.discard(ready.name)
+                logger.info("%s ready (pid %d)", ready.name, ready.pid)
 
     def stop(self) -> None:
+        if self.link is not None:
+            from pegainfer.node_link import STOPPED
+
+            self.link.close(self.failure or STOPPED)
         alive = [p for p in self.children.values() if p.poll() is None]
         for proc in alive:
             _signal(proc, signal.SIGTERM)
@@ -101,15 +127,16 @@ class ProcessTree:
         config = self.config
         t0 = time.monotonic()
         worker_names = [f"worker-{rank}" for rank in range(config.tensor_parallel_size)]
-        for rank, name in enumerate(worker_names):
-            self.spawn(name, "worker_proc", "--rank", str(rank))
+        for rank in multinode.local_ranks(config):  # other nodes start their own ranks
+            self.spawn(f"worker-{rank}", "worker_proc", "--rank", str(rank))
         self.spawn("detokenizer", "detokenizer_proc")
         tokenizer_names = [f"tokenizer-{i}" for i in range(config.num_tokenizers)]
         for i, name in enumerate(tokenizer_names):
             self.spawn(name, "frontend_proc.tokenizer_proc", "--index", str(i))
         self.wait_ready(worker_names)
 
-        config.num_kv_blocks = int(self.ready["worker-0"].info["num_kv_blocks"])
+        # Ranks may size their caches differently (profiled per GPU): plan for the smallest.
+        config.num_kv_blocks = min(int(self.ready[n].info["num_kv_blocks"]) for n in worker_names)
         config.save(self.run_dir)
         self.spawn("scheduler", "scheduler_proc")
         self.wait_ready(["detokenizer", *tokenizer_names, "scheduler"])
@@ -128,6 +155,7 @@ class ProcessTree:
     def watch(self) -> None:
         while True:
             self.check_children()
+            self._poll_link()
             for msg in ipc.drain(self.control, lifecycle.CONTROL_MESSAGES, "launcher"):
                 if isinstance(msg, protocol.WatchdogAlarm):
                     raise ChildDied(lifecycle.watchdog_fired(self, msg))
@@ -179,10 +207,25 @@ def serve(config: EngineConfig) -> int:
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         logger.error("cannot load the model: %s", exc)
         return 2
+    try:
+        multinode.check_layout(config)
+        multinode.check_tensor_parallel(config.model_path, config.tensor_parallel_size)
+    except (OSError, ValueError, KeyError) as exc:
+        logger.error("cannot shard the model: %s", exc)
+        return 2
+    if config.headless:
+        from pegainfer.node_link import serve_headless
+
+        return serve_headless(config)
     config.run_dir = make_run_dir()
     config.save(config.run_dir)
 
-    tree = ProcessTree(config)
+    try:
+        tree = ProcessTree(config)
+    except zmq.ZMQError as exc:  # the node link's port: taken, or not an address of ours
+        logger.error("cannot listen for the other nodes: %s", exc)
+        shutil.rmtree(config.run_dir, ignore_errors=True)
+        return 2
 
     def on_signal(signum: int, _frame) -> None:
         tree.stop_signal = signum
@@ -199,6 +242,7 @@ def serve(config: EngineConfig) -> int:
         return 0
     except ChildDied as exc:
         logger.error("%s; stopping the tree", exc)
+        tree.failure = str(exc)
         lifecycle.notify_engine_death(tree, str(exc))
         return 1
     finally:

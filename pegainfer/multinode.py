@@ -193,7 +193,11 @@ def check_tensor_parallel(model_path: str, tp_size: int) -> None:
     if intermediate % tp_size:
         problems.append(f"the MLP's {intermediate} intermediate features")
     if problems:
-        usable = [n for n in _sizes_that_divide(heads, intermediate) if n % kv_heads == 0 or kv_heads % n == 0]
+        usable = [
+            n
+            for n in _sizes_that_divide(heads, intermediate)
+            if n % kv_heads == 0 or kv_heads % n == 0
+        ]
         raise ValueError(
             f"--tensor-parallel-size {tp_size} does not divide {' or '.join(problems)} of "
             f"{model_path}; sizes that work for this model: "

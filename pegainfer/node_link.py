@@ -31,7 +31,7 @@ from pegainfer.multinode import link_url, local_ranks, node_of_rank
 logger = logging.getLogger("pegainfer.launcher")
 
 HEARTBEAT_S = 1.0
-NODE_TIMEOUT_S = 15.0
+NODE_TIMEOUT_S = 30.0
 # How long a headless node waits for node 0 to answer at all (node 0 may start later).
 FIRST_CONTACT_TIMEOUT_S = 600.0
 STOPPED = "node 0 stopped"

@@ -14,6 +14,7 @@ import zmq
 
 from pegainfer import ipc
 from pegainfer.config import EngineConfig
+from pegainfer.multinode import scheduler_plan_socket
 from pegainfer.process import child_args, init_child, report_ready
 from pegainfer.protocol import (
     AbortRequests,
@@ -201,9 +202,9 @@ def main() -> None:
         sys.exit(1)
     ctx = zmq.Context()
     inbound = ipc.bind(ctx, zmq.PULL, args.run_dir, "scheduler")
+    # Ranks on other nodes get their plans over TCP (pegainfer/multinode.py).
     workers = [
-        ipc.connect(ctx, zmq.PUSH, args.run_dir, f"worker-{rank}")
-        for rank in range(config.tensor_parallel_size)
+        scheduler_plan_socket(ctx, config, rank) for rank in range(config.tensor_parallel_size)
     ]
     detokenizer = ipc.connect(ctx, zmq.PUSH, args.run_dir, "detokenizer")
     frontend = ipc.connect(ctx, zmq.PUSH, args.run_dir, "frontend")

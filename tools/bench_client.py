@@ -20,13 +20,15 @@ import os
 import random
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
 from tools.bench_common import summarize
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,6 +47,17 @@ class RequestResult:
         if self.output_tokens < 2 or math.isnan(self.ttft):
             return math.nan
         return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop when it is installed: a client parsing hundreds of streams
+    must keep up with the server, or its own lag shows up as inter-token latency."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
 
 
 def served_model(base_url: str, timeout: float = 10.0) -> tuple[str, str | None]:

@@ -23,20 +23,22 @@ import time
 from typing import Any
 
 from tools.bench_common import (
-    ModelShape,
     Roofline,
-    decode_roofline_s,
-    load_model_shape,
     measure_roofline,
     parse_int_list,
     pct,
-    prefill_roofline_s,
     print_table,
     progress,
     run_metadata,
     save_json,
     save_plot,
     synchronize,
+)
+from tools.bench_model import (
+    ModelShape,
+    decode_roofline_s,
+    load_model_shape,
+    prefill_roofline_s,
 )
 
 BLOCK_SIZE = 16

@@ -19,7 +19,6 @@ checkpoint's config.json is readable here (``--model-path``, or the server's /v1
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import os
 import shlex
@@ -30,17 +29,15 @@ from tools.bench_client import (
     aggregate,
     clamp_vocab_range,
     random_token_prompts,
+    run_async,
     run_load,
     served_model,
     stream_completion,
     uniform_lengths,
 )
 from tools.bench_common import (
-    ModelShape,
     Roofline,
-    decode_roofline_s,
     fmt,
-    load_model_shape,
     measure_roofline,
     pct,
     print_table,
@@ -50,6 +47,11 @@ from tools.bench_common import (
     run_metadata,
     save_json,
     save_plot,
+)
+from tools.bench_model import (
+    ModelShape,
+    decode_roofline_s,
+    load_model_shape,
 )
 
 
@@ -257,7 +259,7 @@ def run_benchmark(
         finally:
             bar.close()
 
-    results, duration = asyncio.run(go())
+    results, duration = run_async(go())
     summary = aggregate(results, duration)
     roof = serving_roofline(measured, summary)
     print(

@@ -16,7 +16,6 @@ device: the checkpoint's bytes over the host-to-device copy bandwidth measured i
 from __future__ import annotations
 
 import argparse
-import asyncio
 import glob
 import os
 import shlex
@@ -57,6 +56,7 @@ def one_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
     from tools.bench_client import (
         clamp_vocab_range,
         random_token_prompts,
+        run_async,
         served_model,
         stream_completion,
     )
@@ -75,7 +75,7 @@ def one_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
             async with aiohttp.ClientSession() as session:
                 return await stream_completion(session, server.base_url, model, prompt, 2)
 
-        result = asyncio.run(first_token())
+        result = run_async(first_token())
         if not result.ok:
             raise RuntimeError(f"the first request failed: {result.error}")
         # The request is timed with perf_counter, the launch with monotonic: convert.
@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         axes[0].axhline(READY_TARGET_S, color="red", linestyle=":", label="target")
         if floor_s:
             axes[0].axhline(floor_s, color="black", linestyle="--", label="roofline")
+        axes[0].set_xticks(x, [str(i) for i in x])
         axes[0].set_xlabel("run")
         axes[0].set_ylabel("seconds from launch")
         axes[0].legend()

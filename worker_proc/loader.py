@@ -3,6 +3,10 @@
 Parameters are created directly on the target device in the target dtype (no host copy of
 the whole model), and safetensors shards are read tensor by tensor, each handed to the
 model's ``load_weights`` and released before the next, so peak extra memory is one tensor.
+
+Each tensor reaches its layer's ``weight_loader`` unread, as a ``WeightSlice``: a sharded
+layer narrows it to its tensor-parallel rank's range, and only that range is read from the
+file, so each rank reads its own slice of every sharded tensor (weight_slice.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 
 from worker_proc.model_config import ModelConfig
 from worker_proc.models.registry import build_model
+from worker_proc.weight_slice import WeightSlice
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,22 @@ def iterate_weights(model_path: str, device: torch.device) -> Iterator[tuple[str
                 yield name, f.get_tensor(name)
 
 
+def iterate_weight_slices(
+    model_path: str, device: torch.device
+) -> Iterator[tuple[str, WeightSlice]]:
+    """Yield ``(name, WeightSlice)`` for every tensor of the checkpoint; nothing is read
+    until the consumer narrows or materializes the slice (while the file is still open)."""
+    target = str(device) if device.type != "cpu" else "cpu"
+    for path in checkpoint_files(model_path):
+        with safe_open(path, framework="pt", device=target) as f:
+            for name in f.keys():
+
+                def read_all(f=f, name=name) -> torch.Tensor:
+                    return f.get_tensor(name)
+
+                yield name, WeightSlice(name, f.get_slice(name), read_all, device)
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -84,5 +105,5 @@ def load_model(
         model_config = dataclasses.replace(model_config, max_position_embeddings=max_model_len)
     with _default_dtype(dtype), torch.device(device):
         model = build_model(model_config)
-    model.load_weights(iterate_weights(model_path, device))
+    model.load_weights(iterate_weight_slices(model_path, device))
     return model.eval()

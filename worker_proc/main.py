@@ -24,6 +24,7 @@ import traceback
 import zmq
 
 from pegainfer import ipc
+from pegainfer.multinode import worker_plan_socket
 from pegainfer.process import child_args, init_child, report_ready
 from pegainfer.protocol import StepPlan, StepResult
 
@@ -48,6 +49,9 @@ def serve(runner, plans: zmq.Socket, results: zmq.Socket | None) -> int:
 
     ``runner`` offers ``submit(plan)``, ``poll_results(wait)`` and ``has_pending()``."""
     waiting_since: float | None = None
+    from worker_proc.parallel_state import StepOrderCheck
+
+    step_order = StepOrderCheck()  # every rank runs the same steps in the same order
     while True:
         try:
             ready = runner.poll_results(wait=False)
@@ -71,6 +75,7 @@ def serve(runner, plans: zmq.Socket, results: zmq.Socket | None) -> int:
         if plan is None:
             continue
         try:
+            step_order.check(plan)
             runner.submit(plan)
         except Exception as exc:  # any failure leaves the KV state suspect: stop
             _report_failure(results, plan.step_id, exc)
@@ -89,7 +94,7 @@ def main() -> int:
     name = f"worker-{args.rank}"
     config = init_child(name, args.run_dir)
     ctx = zmq.Context()
-    plans = ipc.bind(ctx, zmq.PULL, args.run_dir, name)
+    plans = worker_plan_socket(ctx, config, args.rank)  # ipc, or TCP from another node
     results = ipc.connect(ctx, zmq.PUSH, args.run_dir, "scheduler") if args.rank == 0 else None
 
     started = time.monotonic()

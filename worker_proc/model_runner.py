@@ -48,7 +48,7 @@ from worker_proc.live_seqs import PlanError as PlanError  # re-exported for call
 from worker_proc.loader import load_model
 from worker_proc.logprobs import LogprobsCollector
 from worker_proc.model_config import load_model_config
-from worker_proc.parallel_state import init_distributed
+from worker_proc.parallel_state import broadcast_from_rank0, init_distributed
 from worker_proc.sampler import Sampler, SamplingBatch, has_penalties
 from worker_proc.seq_slots import SlotTable
 from worker_proc.step_results import ResultQueue
@@ -335,7 +335,11 @@ class ModelRunner:
         histories = None
         if batch.penalised_rows:
             histories = [(s.token_ids, s.num_prompt_tokens) for s in samplers]
-        tokens = self.sampler.sample(logits.float(), batch, sample_pos, histories)
+        if self.rank == 0:
+            tokens = self.sampler.sample(logits.float(), batch, sample_pos, histories)
+        else:  # rank 0's tokens are the tokens; the others receive them (parallel_state)
+            tokens = torch.empty(len(samplers), dtype=torch.int64, device=self.device)
+        tokens = broadcast_from_rank0(tokens)
         if self.rank == 0:
             self.logprobs.sampled_step(step_id, logits, tokens, samplers)
         last_token.index_copy_(0, sample_slot, tokens)

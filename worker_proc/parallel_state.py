@@ -178,6 +178,10 @@ def _exit_promptly_on_sigterm(run_dir: str) -> None:
 # ---------------------------------------------------------------------------
 
 
+# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the TP group (the partial outputs of a row-parallel layer)."""
     if _state.size == 1:
@@ -189,13 +193,14 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (the vocab shards of the logits).
 
-    One collective into one buffer ``[size, *x.shape]`` (capturable in a CUDA graph), then
-    one copy into the concatenated layout."""
+    One collective into one buffer ``[size * x.shape[0], ...]`` (capturable in a CUDA graph),
+    then one copy into the layout concatenated along ``dim``."""
     if _state.size == 1:
         return x
-    gathered = torch.empty((_state.size, *x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(gathered, x.contiguous())
-    return torch.cat(gathered.unbind(0), dim=dim)
+    x = x.contiguous()
+    gathered = torch.empty((_state.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(gathered, x)
+    return torch.cat(gathered.view(_state.size, *x.shape).unbind(0), dim=dim)
 
 
 def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +224,9 @@ def plan_digest(plan: StepPlan) -> int:
     digest = zlib.crc32(plan.num_scheduled, digest)
     digest = zlib.crc32(plan.finished_seq_ids, digest)
     for new in plan.new_seqs:
-        digest = zlib.crc32(new.token_ids, zlib.crc32(new.seq_id.to_bytes(8, "little", signed=True), digest))
+        digest = zlib.crc32(
+            new.token_ids, zlib.crc32(new.seq_id.to_bytes(8, "little", signed=True), digest)
+        )
     return digest
 
 

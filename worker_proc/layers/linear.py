@@ -1,8 +1,10 @@
 """Linear layers that own their tensor-parallel sharding.
 
 Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``: the model's
-``load_weights`` hands it the full checkpoint tensor, and the layer copies in the slice that
-belongs to this rank (and, for fused layers, to the right place in the fused weight).
+``load_weights`` hands it the checkpoint tensor, and the layer copies in the slice that
+belongs to this rank (and, for fused layers, to the right place in the fused weight). From
+the loader that tensor is a ``WeightSlice`` not yet read: ``narrow`` reads only this rank's
+range from the file. A plain tensor works the same.
 
 - ColumnParallelLinear: output features split across ranks; no communication.
 - MergedColumnParallelLinear: several column-parallel outputs fused (gate/up).
@@ -22,6 +24,7 @@ from worker_proc.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from worker_proc.weight_slice import WeightSlice, read_whole
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -38,11 +41,11 @@ def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
 
 
 def default_weight_loader(
-    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    param: nn.Parameter, loaded_weight: torch.Tensor | WeightSlice, shard_id: object = None
 ) -> None:
     """Copy a replicated (unsharded) parameter, converting dtype and device on the way."""
     _check_shape(param, loaded_weight, "replicated parameter")
-    param.data.copy_(loaded_weight)
+    param.data.copy_(read_whole(loaded_weight))
 
 
 def _new_param(*shape: int) -> nn.Parameter:

@@ -1,0 +1,466 @@
+"""OpenAI API conformance of the real process tree, with the `openai` client and raw HTTP.
+
+Most tests run on the tiny random Qwen3 (real Qwen3 tokenizer and chat template), copied
+with one change: a token its greedy output reaches is declared an EOS, so EOS, ignore_eos
+and min_tokens can be tested on a random model. Real text (emoji, CJK) uses SmolLM2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from tests.server_util import Server
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 512
+EOS_PROMPT = "Hello world"
+EOS_INDEX = 3  # the greedy output's token at this index becomes an EOS
+
+
+def greedy_ids(model_dir: str, prompt_ids: list[int], count: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=count, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_qwen3_dir, tmp_path_factory) -> tuple[str, int]:
+    """The tiny Qwen3 with an extra EOS that greedy decoding of EOS_PROMPT reaches."""
+    tokenizer = Tokenizer.from_file(os.path.join(tiny_qwen3_dir, "tokenizer.json"))
+    ids = greedy_ids(tiny_qwen3_dir, tokenizer.encode(EOS_PROMPT).ids, 8)
+    index = next(i for i in range(EOS_INDEX, len(ids)) if ids[i] not in ids[:i])
+    eos = ids[index]
+    out = tmp_path_factory.mktemp("tiny-qwen3-eos") / "tiny-qwen3-eos"
+    out.mkdir()
+    for name in os.listdir(tiny_qwen3_dir):
+        source = os.path.join(tiny_qwen3_dir, name)
+        if name == "generation_config.json":
+            continue
+        if name.endswith(".safetensors"):
+            os.symlink(source, out / name)
+        else:
+            shutil.copy(source, out / name)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, eos]}))
+    return str(out), eos
+
+
+@pytest.fixture(scope="module")
+def server(eos_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("conformance") / "pegainfer.log"
+    srv = Server(
+        "--model-path", eos_model[0], "--kv-cache-memory", "64MiB",
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "64",
+        log_path=str(log),
+    ).wait_ready()  # fmt: skip
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+    assert srv.leftovers() == []
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(eos_model) -> str:
+    return os.path.basename(eos_model[0])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(eos_model) -> Tokenizer:
+    return Tokenizer.from_file(os.path.join(eos_model[0], "tokenizer.json"))
+
+
+def complete(server, **body) -> dict:
+    status, out = server.post("/v1/completions", body)
+    assert status == 200, out
+    return out
+
+
+def stream_completion(client, model, **kwargs) -> list:
+    return list(client.completions.create(model=model, stream=True, **kwargs))
+
+
+# -- determinism and arithmetic --------------------------------------------------------------
+
+
+def test_streaming_equals_non_streaming_at_temperature_zero(client, model):
+    kwargs = dict(prompt="The quick brown fox", max_tokens=8, temperature=0)
+    full = client.completions.create(model=model, extra_body={"ignore_eos": True}, **kwargs)
+    chunks = stream_completion(client, model, extra_body={"ignore_eos": True}, **kwargs)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == [full.choices[0].finish_reason] == ["length"]
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0
+    )
+    streamed = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+    assert chat.choices[0].message.reasoning_content is None  # no <think> block produced
+
+
+def test_usage_arithmetic_is_exact(server, client, model, tokenizer):
+    prompts = ["one two three", "four five"]
+    out = complete(
+        server, prompt=prompts, n=2, max_tokens=5, temperature=0.7, seed=1,
+        return_token_ids=True, ignore_eos=True,
+    )  # fmt: skip
+    prompt_tokens = sum(len(tokenizer.encode(p).ids) for p in prompts)
+    usage = out["usage"]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert usage["prompt_tokens"] == prompt_tokens  # each prompt counted once for n=2
+    assert usage["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"]) == 20
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+    chunks = stream_completion(
+        client, model, prompt=prompts, n=2, max_tokens=5, temperature=0.7, seed=1,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.prompt_tokens == usage["prompt_tokens"]
+    assert chunks[-1].usage.completion_tokens == usage["completion_tokens"]
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_gives_n_indices_each_finishing_once(client, model):
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hi"}],
+            n=3,
+            max_tokens=4,
+            temperature=1.0,
+            stream=True,
+        )
+    )
+    finishes: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.finish_reason:
+                finishes.setdefault(choice.index, []).append(choice.finish_reason)
+    assert sorted(finishes) == [0, 1, 2]
+    assert all(len(reasons) == 1 for reasons in finishes.values())
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(server):
+    body = dict(prompt="Once upon", max_tokens=6, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = complete(server, **body)["choices"][0]["text"]
+
+    def other(i: int) -> str:
+        return complete(server, prompt=f"noise {i}", max_tokens=6, temperature=1.0)["choices"][0][
+            "text"
+        ]
+
+    with ThreadPoolExecutor(4) as pool:
+        noise = [pool.submit(other, i) for i in range(3)]
+        batched = pool.submit(complete, server, **body)
+        assert batched.result()["choices"][0]["text"] == alone
+        for future in noise:
+            future.result()
+    different = complete(server, **{**body, "seed": 99})["choices"][0]["text"]
+    assert different != alone
+
+
+# -- stopping -------------------------------------------------------------------------------
+
+
+def _stop_across_tokens(tokenizer, ids: list[int], text: str) -> tuple[str, int]:
+    """A stop string made of the end of token k and the start of token k + 1, and k."""
+    for k in range(1, len(ids) - 1):
+        head = tokenizer.decode(ids[: k + 1])
+        nxt = tokenizer.decode(ids[: k + 2])
+        if "\ufffd" in nxt or not text.startswith(nxt):
+            continue
+        last_len = len(head) - len(tokenizer.decode(ids[:k]))
+        next_len = len(nxt) - len(head)
+        if last_len >= 2 and next_len >= 2:
+            stop = text[len(head) - 2 : len(head) + 2]
+            if text.find(stop) == len(head) - 2:
+                return stop, k + 1
+    pytest.skip("no token boundary with two characters on each side in this output")
+
+
+def test_stop_string_split_across_tokens(server, client, model, tokenizer):
+    base = dict(prompt="The quick brown fox", max_tokens=12, temperature=0, ignore_eos=True)
+    reference = complete(server, **base, return_token_ids=True)["choices"][0]
+    text = reference["text"]
+    stop, stop_token = _stop_across_tokens(tokenizer, reference["token_ids"], text)
+    at = text.find(stop)
+
+    out = complete(server, **base, stop=[stop, "never-appears"])
+    choice = out["choices"][0]
+    assert choice["text"] == text[:at]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    assert out["usage"]["completion_tokens"] == stop_token + 1
+
+    included = complete(server, **base, stop=stop, include_stop_str_in_output=True)
+    assert included["choices"][0]["text"] == text[: at + len(stop)]
+
+    chunks = stream_completion(
+        client, model, prompt=base["prompt"], max_tokens=12, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    pieces = [c.choices[0].text for c in chunks if c.choices]
+    # Joined, the chunks are exactly the text before the stop: no chunk held any of it.
+    assert "".join(pieces) == text[:at]
+    last = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(last) == 1 and last[0].finish_reason == "stop"
+
+
+def test_eos_min_tokens_and_ignore_eos(server, eos_model):
+    _, eos = eos_model
+    body = dict(prompt=EOS_PROMPT, max_tokens=10, temperature=0, return_token_ids=True)
+    free = complete(server, **body, ignore_eos=True)["choices"][0]
+    assert free["finish_reason"] == "length" and len(free["token_ids"]) == 10
+    at = free["token_ids"].index(eos)
+
+    stopped = complete(server, **body)["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] is None
+    assert stopped["token_ids"] == free["token_ids"][: at + 1]
+
+    later = complete(server, **body, min_tokens=at + 2)["choices"][0]
+    assert len(later["token_ids"]) >= at + 2
+    assert later["token_ids"][: at + 1] == free["token_ids"][: at + 1]
+
+
+def test_stop_token_ids_report_their_stop_reason(server):
+    body = dict(prompt="Stop here", max_tokens=8, temperature=0, ignore_eos=True)
+    ids = complete(server, **body, return_token_ids=True)["choices"][0]["token_ids"]
+    target = ids[2]
+    first = ids.index(target)
+    choice = complete(server, **body, stop_token_ids=[target], return_token_ids=True)["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == target
+    assert choice["token_ids"] == ids[: first + 1]
+
+
+def test_max_completion_tokens_wins_over_max_tokens(client, model):
+    out = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Count."}],
+        max_tokens=9,
+        max_completion_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
+
+
+# -- logprobs -------------------------------------------------------------------------------
+
+
+def test_completion_logprobs_shape_and_greedy_consistency(server):
+    out = complete(
+        server, prompt="Logprobs are", max_tokens=5, temperature=0, logprobs=3, ignore_eos=True
+    )
+    choice = out["choices"][0]
+    logprobs = choice["logprobs"]
+    n = out["usage"]["completion_tokens"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == n
+    assert len(logprobs["top_logprobs"]) == len(logprobs["text_offset"]) == n
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    assert logprobs["text_offset"] == [
+        sum(len(t) for t in logprobs["tokens"][:i]) for i in range(n)
+    ]
+    for token, value, top in zip(
+        logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]
+    ):
+        assert 3 <= len(top) <= 4 and value <= 0
+        # Greedy: the chosen token is the most likely one.
+        assert value == pytest.approx(max(top.values()), abs=1e-5)
+        assert top[token] == pytest.approx(value, abs=1e-5)
+
+
+def test_echo_with_logprobs_covers_the_prompt(server, tokenizer):
+    prompt = "Echo this prompt back"
+    out = complete(server, prompt=prompt, max_tokens=2, temperature=0, logprobs=1, echo=True)
+    choice = out["choices"][0]
+    logprobs = choice["logprobs"]
+    num_prompt = len(tokenizer.encode(prompt).ids)
+    assert choice["text"].startswith(prompt)
+    assert len(logprobs["tokens"]) == num_prompt + out["usage"]["completion_tokens"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert "".join(logprobs["tokens"][:num_prompt]) == prompt
+    assert all(v is not None and v <= 0 for v in logprobs["token_logprobs"][1:])
+
+
+def test_chat_logprobs_and_top_logprobs(client, model):
+    kwargs = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    out = client.chat.completions.create(**kwargs)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 4
+    assert "".join(entry.token for entry in content) == out.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert bytes(entry.bytes).decode("utf-8", "backslashreplace") == entry.token
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(stream=True, **kwargs)
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [e.token for e in content]
+
+
+# -- chat templates, reasoning, endpoints ---------------------------------------------------
+
+
+def test_enable_thinking_changes_the_rendered_prompt(server, client, model):
+    messages = [{"role": "user", "content": "Think?"}]
+    counts = {}
+    for thinking in (True, False):
+        kwargs = {"enable_thinking": thinking}
+        status, tokenized = server.post(
+            "/tokenize", {"messages": messages, "chat_template_kwargs": kwargs}
+        )
+        assert status == 200
+        out = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=1,
+            extra_body={"chat_template_kwargs": kwargs},
+        )  # fmt: skip
+        assert out.usage.prompt_tokens == tokenized["count"]
+        counts[thinking] = tokenized["count"]
+    # Qwen3's template closes an empty think block in the prompt when thinking is off.
+    assert counts[False] == counts[True] + 4
+
+
+def test_models_tokenize_detokenize_version(server, model):
+    status, body = server.get(f"/v1/models/{model}")
+    assert status == 200 and body["id"] == model and body["max_model_len"] == MAX_MODEL_LEN
+    status, body = server.get("/v1/models/not-this-one")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, body = server.post("/tokenize", {"prompt": "Hello 世界"})
+    assert status == 200 and body["count"] == len(body["tokens"])
+    status, back = server.post("/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and back["prompt"] == "Hello 世界"
+    status, body = server.get("/version")
+    assert status == 200 and body["version"]
+
+
+def test_metrics_count_what_was_served(server):
+    import urllib.request
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(server.url("/metrics"), timeout=10) as resp:
+            assert resp.headers["Content-Type"].startswith("text/plain")
+            text = resp.read().decode()
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    before = scrape()
+    complete(server, prompt="metrics", max_tokens=3, temperature=0, ignore_eos=True)
+    import time
+
+    time.sleep(0.6)  # the scheduler publishes its counters a few times a second
+    after = scrape()
+    label = "{" + next(k for k in after if k.startswith("pegainfer:healthy")).split("{")[1]
+
+    def delta(name: str) -> float:
+        return after[name + label] - before.get(name + label, 0.0)
+
+    assert delta("pegainfer:generation_tokens_total") >= 3
+    assert delta("pegainfer:time_to_first_token_seconds_count") == 1
+    assert delta("pegainfer:e2e_request_latency_seconds_count") == 1
+    assert delta("pegainfer:inter_token_latency_seconds_count") == 2
+    assert delta("pegainfer:request_queue_time_seconds_count") == 1
+    assert after["pegainfer:num_requests_running" + label] == 0
+    for name in (
+        "pegainfer:num_requests_waiting",
+        "pegainfer:kv_cache_usage_perc",
+        "pegainfer:prefix_cache_queries_total",
+        "pegainfer:prefix_cache_hits_total",
+        "pegainfer:num_preemptions_total",
+        "pegainfer:prompt_tokens_total",
+    ):
+        assert name + label in after, name
+
+
+# -- real text: emoji and CJK through the whole pipeline -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol_server(smollm2_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("conformance-smol") / "pegainfer.log"
+    srv = Server(
+        "--model-path", smollm2_dir, "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+        log_path=str(log),
+    ).wait_ready()  # fmt: skip
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+    assert srv.leftovers() == []
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "Party emoji: 🎉. Rocket emoji: 🚀. Heart emoji:",
+        "中文：你好，世界。日本語：こんにちは。中文：",
+    ],
+)
+def test_emoji_and_cjk_stream_without_replacement_characters(smol_server, prompt):
+    client = openai.OpenAI(base_url=smol_server.url("/v1"), api_key="x", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    kwargs = dict(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    pieces = [c.choices[0].text for c in client.completions.create(stream=True, **kwargs)]
+    assert "".join(pieces) == full
+    assert any(len(ch.encode()) >= 3 for ch in full), f"no emoji or CJK in {full!r}"
+    # Only a character cut off by max_tokens may end the text as U+FFFD (its last bytes
+    # were never generated); no streamed chunk before the end may hold one.
+    assert "\ufffd" not in full.rstrip("\ufffd")
+    assert all("\ufffd" not in piece for piece in pieces[:-1])
+    assert "\ufffd" not in pieces[-1].rstrip("\ufffd")
+
+
+def test_many_concurrent_streams_all_finish(client, model):
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            chunks = stream_completion(
+                client, model, prompt=f"p{i}", max_tokens=3, extra_body={"ignore_eos": True}
+            )
+            assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 1
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == []
