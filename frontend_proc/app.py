@@ -49,7 +49,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except APIError as exc:
-        if exc.status >= 500:
+        if exc.status == 503:  # refused by design (draining, overload, a dead engine)
+            logger.info("%s %s refused: %s", request.method, request.path, exc.message)
+        elif exc.status >= 500:
             logger.error("%s %s failed: %s", request.method, request.path, exc.message)
         return json_response(exc.body(), exc.status)
     except web.HTTPException as exc:

@@ -3,6 +3,7 @@ checks made before start, the node link between launchers, and the command line.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 
@@ -143,6 +144,10 @@ def test_command_line_carries_the_node_options():
 # --- the node link ----------------------------------------------------------------------
 
 
+def _headless(config: EngineConfig) -> EngineConfig:
+    return dataclasses.replace(config, node_rank=1, headless=True)
+
+
 def _link_config() -> EngineConfig:
     return _config(
         tensor_parallel_size=4, nnodes=2, master_addr="127.0.0.1", master_port=free_port()
@@ -164,8 +169,7 @@ def test_node_link_forwards_ready_and_stops_both_ways(monkeypatch):
     ctx = zmq.Context()
     config = _link_config()
     server = node_link.NodeLinkServer(ctx, config)
-    headless = _config(**{**config.__dict__, "node_rank": 1, "headless": True})
-    client = node_link.NodeLinkClient(ctx, headless)
+    client = node_link.NodeLinkClient(ctx, _headless(config))
     try:
         ready = protocol.ProcessReady(name="worker-2", pid=1, info={"num_kv_blocks": 7})
         client.forward(ready)
@@ -191,9 +195,7 @@ def test_node_link_reports_a_failed_or_silent_node(monkeypatch):
     ctx = zmq.Context()
     config = _link_config()
     server = node_link.NodeLinkServer(ctx, config)
-    client = node_link.NodeLinkClient(
-        ctx, _config(**{**config.__dict__, "node_rank": 1, "headless": True})
-    )
+    client = node_link.NodeLinkClient(ctx, _headless(config))
     stranger = ctx.socket(zmq.DEALER)
     stranger.setsockopt(zmq.IDENTITY, b"node-9")
     stranger.setsockopt(zmq.LINGER, 0)

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -58,6 +59,19 @@ class TreeMemory:
         return None if None in values else sum(v for v in values if v is not None)
 
 
+def _exit_on_sigterm() -> None:
+    """Turn SIGTERM (``timeout``, a job runner) into SystemExit, so that the ``with`` block of
+    a ServerProcess stops the tree instead of leaving it running, holding the GPU."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+
+        def handler(signum: int, frame: Any) -> None:
+            raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, handler)
+
+
 class ServerProcess:
     """One launcher and its children; a context manager that always stops the tree."""
 
@@ -84,6 +98,7 @@ class ServerProcess:
         child_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (_REPO, child_env.get("PYTHONPATH", "")) if p
         )
+        _exit_on_sigterm()
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env

@@ -261,7 +261,7 @@ class Sampler:
                 raise ValueError("seeded rows need the positions of the tokens they draw")
             seeded = seeded_exponentials(
                 batch.seed_keys,
-                positions.index_select(0, batch.seeded_rows),
+                positions.to(probs.device).index_select(0, batch.seeded_rows),
                 self._salt(probs.shape[1]),
             )
             noise.index_copy_(0, batch.seeded_rows, seeded)

@@ -1,0 +1,288 @@
+"""Soak test: moderate load on a pegainfer tree for a long time, watching its memory.
+
+Starts the server (the embedded default model unless ``--model-path``), or uses a running
+one (``--url`` plus ``--launcher-pid``), runs ``--concurrency`` clients that send a mix of
+streaming and non-streaming completions and chats (some cancelled halfway, some invalid),
+and samples the resident memory of every process of the tree. After ``--warmup`` seconds it
+fits a line through the tree's total RSS and reports whether memory grows: a leak shows up
+as a steady slope, while allocator noise does not.
+
+    python -m tools.soak --duration 600            # the 10-minute soak
+    python -m tools.soak --duration 60 --warmup 20 # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import psutil
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "Explain recursion in one sentence.",
+    "你好，请介绍一下你自己。",
+    "Emoji story: 🐱🚀",
+]
+
+
+@dataclass
+class Counters:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ok: int = 0
+    refused: int = 0  # 4xx on purpose, or 503 from overload
+    cancelled: int = 0
+    failed: int = 0
+    tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, outcome: str, tokens: int = 0, error: str | None = None) -> None:
+        with self.lock:
+            setattr(self, outcome, getattr(self, outcome) + 1)
+            self.tokens += tokens
+            if error and len(self.errors) < 20:
+                self.errors.append(error)
+
+
+def _request_body(rng: random.Random) -> tuple[str, dict]:
+    max_tokens = rng.randint(4, 48)
+    if rng.random() < 0.05:  # invalid on purpose: the server must shrug it off
+        return "/v1/completions", {"prompt": "x", "max_tokens": -1}
+    stream = rng.random() < 0.5
+    common = {"max_tokens": max_tokens, "temperature": rng.choice([0, 0.7, 1.0]), "stream": stream}
+    if stream and rng.random() < 0.5:
+        common["stream_options"] = {"include_usage": True}
+    if rng.random() < 0.5:
+        return "/v1/completions", {"prompt": rng.choice(PROMPTS), **common}
+    messages = [{"role": "user", "content": rng.choice(PROMPTS)}]
+    return "/v1/chat/completions", {"messages": messages, **common}
+
+
+def client_loop(
+    host: str, port: int, deadline: float, seed: int, counters: Counters, api_key: str | None
+) -> None:
+    rng = random.Random(seed)
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    while time.monotonic() < deadline:
+        path, body = _request_body(rng)
+        cancel_after = rng.randint(1, 5) if body.get("stream") and rng.random() < 0.2 else None
+        conn = http.client.HTTPConnection(host, port, timeout=300)
+        try:
+            conn.request("POST", path, json.dumps(body), headers)
+            response = conn.getresponse()
+            if response.status != 200:
+                response.read()
+                counters.add("refused")
+                if response.status == 503:
+                    time.sleep(1.0)
+                continue
+            if not body.get("stream"):
+                usage = json.loads(response.read()).get("usage") or {}
+                counters.add("ok", usage.get("completion_tokens", 0))
+                continue
+            events = 0
+            for line in response:
+                if not line.startswith(b"data: "):
+                    continue
+                events += 1
+                if cancel_after is not None and events >= cancel_after:
+                    counters.add("cancelled")
+                    break
+                if b'"error"' in line[:20]:
+                    counters.add("failed", error=line[:200].decode(errors="replace"))
+                    break
+                if line.strip() == b"data: [DONE]":
+                    counters.add("ok", max(events - 2, 0))
+                    break
+        except (OSError, http.client.HTTPException) as exc:
+            counters.add("failed", error=repr(exc))
+            time.sleep(0.5)
+        finally:
+            conn.close()
+
+
+def tree_processes(launcher_pid: int) -> list[psutil.Process]:
+    launcher = psutil.Process(launcher_pid)
+    return [launcher, *launcher.children(recursive=True)]
+
+
+def sample_rss(launcher_pid: int) -> dict[str, int]:
+    """RSS in bytes of every process of the tree, by its title."""
+    sizes: dict[str, int] = {}
+    for proc in tree_processes(launcher_pid):
+        try:
+            title = " ".join(proc.cmdline()).split()[0] if proc.cmdline() else proc.name()
+            sizes[f"{title}[{proc.pid}]"] = proc.memory_info().rss
+        except psutil.Error:
+            continue
+    return sizes
+
+
+def slope_per_minute(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, value) points, per minute."""
+    if len(points) < 2:
+        return 0.0
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_v = sum(v for _, v in points) / n
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    if var == 0:
+        return 0.0
+    cov = sum((t - mean_t) * (v - mean_v) for t, v in points)
+    return cov / var * 60.0
+
+
+def start_server(args: argparse.Namespace, log_path: str) -> tuple[subprocess.Popen, str]:
+    port = args.port
+    cmd = [sys.executable, "-m", "pegainfer.cli", "--port", str(port), *args.server_args]
+    if args.model_path:
+        cmd += ["--model-path", args.model_path]
+    log = open(log_path, "w")  # noqa: SIM115 - lives as long as the server
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc, url
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"the server did not become ready; see {log_path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    parser.add_argument("--warmup", type=float, default=120.0, help="seconds not judged")
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between samples")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--port", type=int, default=18300)
+    parser.add_argument("--url", default=None, help="use a running server instead")
+    parser.add_argument("--launcher-pid", type=int, default=None, help="with --url")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--max-growth-mb-per-min",
+        type=float,
+        default=2.0,
+        help="after warm-up, a steeper RSS slope than this counts as growth",
+    )
+    parser.add_argument("--json", default=None, help="write the samples and verdict here")
+    parser.add_argument("server_args", nargs="*", help="extra arguments for pegainfer")
+    args = parser.parse_args(argv)
+
+    proc = None
+    if args.url:
+        if args.launcher_pid is None:
+            raise SystemExit("--url needs --launcher-pid to find the tree's processes")
+        url, launcher_pid = args.url.rstrip("/"), args.launcher_pid
+    else:
+        log_path = os.path.join(tempfile.gettempdir(), f"pegainfer-soak-{os.getpid()}.log")
+        print(f"starting pegainfer (log: {log_path})", flush=True)
+        proc, url = start_server(args, log_path)
+        launcher_pid = proc.pid
+    host, port = url.split("//", 1)[1].split(":")
+    counters = Counters()
+    started = time.monotonic()
+    deadline = started + args.duration
+    clients = [
+        threading.Thread(
+            target=client_loop,
+            args=(host, int(port), deadline, seed, counters, args.api_key),
+            daemon=True,
+        )
+        for seed in range(args.concurrency)
+    ]
+    for thread in clients:
+        thread.start()
+
+    samples: list[tuple[float, int]] = []
+    per_process_first: dict[str, int] = {}
+    per_process_last: dict[str, int] = {}
+    try:
+        while time.monotonic() < deadline:
+            now = time.monotonic() - started
+            sizes = sample_rss(launcher_pid)
+            total = sum(sizes.values())
+            samples.append((now, total))
+            if now >= args.warmup:
+                for name, size in sizes.items():
+                    per_process_first.setdefault(name, size)
+                    per_process_last[name] = size
+            print(
+                f"{now:7.1f}s  tree RSS {total / 2**20:8.1f} MiB  ok {counters.ok} "
+                f"refused {counters.refused} cancelled {counters.cancelled} "
+                f"failed {counters.failed} tokens {counters.tokens}",
+                flush=True,
+            )
+            time.sleep(args.interval)
+        for thread in clients:
+            thread.join(timeout=60)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    judged = [(t, size / 2**20) for t, size in samples if t >= args.warmup]
+    slope = slope_per_minute(judged)
+    growth = judged[-1][1] - judged[0][1] if len(judged) >= 2 else 0.0
+    grows = slope > args.max_growth_mb_per_min
+    print("\nper process after warm-up (MiB): first -> last")
+    for name in sorted(per_process_last):
+        first, last = per_process_first[name] / 2**20, per_process_last[name] / 2**20
+        print(f"  {name:<40} {first:8.1f} -> {last:8.1f} ({last - first:+.1f})")
+    verdict = {
+        "duration_s": round(time.monotonic() - started, 1),
+        "warmup_s": args.warmup,
+        "requests_ok": counters.ok,
+        "requests_refused": counters.refused,
+        "requests_cancelled": counters.cancelled,
+        "requests_failed": counters.failed,
+        "completion_tokens": counters.tokens,
+        "rss_after_warmup_mib": round(judged[0][1], 1) if judged else None,
+        "rss_end_mib": round(judged[-1][1], 1) if judged else None,
+        "growth_mib": round(growth, 1),
+        "slope_mib_per_min": round(slope, 3),
+        "grows": grows,
+        "errors": counters.errors,
+    }
+    print(json.dumps(verdict, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"verdict": verdict, "samples": samples}, f)
+    if counters.failed:
+        print("FAIL: some requests failed", file=sys.stderr)
+        return 1
+    if grows:
+        print("FAIL: resident memory grows after warm-up", file=sys.stderr)
+        return 1
+    print("OK: resident memory is flat after warm-up")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
