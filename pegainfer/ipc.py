@@ -6,12 +6,15 @@ connect before the PULL binds, so processes can start in any order.
 
 | socket        | bound by (PULL)        | senders                                   |
 |---------------|------------------------|-------------------------------------------|
-| launcher      | launcher               | every child: ProcessReady                 |
+| launcher      | launcher               | every child: ProcessReady; frontend:      |
+|               |                        | Drained; scheduler: WatchdogAlarm         |
 | tokenizer     | frontend binds a PUSH  | tokenizers connect PULL: GenerateRequest  |
-| scheduler     | scheduler              | tokenizers, frontend, worker rank 0       |
+| scheduler     | scheduler              | tokenizers, frontend, worker rank 0,      |
+|               |                        | detokenizer (aborts on stop strings)      |
 | worker-{rank} | worker rank            | scheduler: StepPlan                       |
 | detokenizer   | detokenizer            | scheduler: TokenOutputs                   |
-| frontend      | frontend               | detokenizer, tokenizers, scheduler        |
+| frontend      | frontend               | detokenizer, tokenizers, scheduler,       |
+|               |                        | launcher (Drain, EngineDead)              |
 | tap-{process} | every child (PUB)      | a copy of every message the process sends |
 
 The tap sockets let ``pegainfer tap`` watch the traffic of a running instance. A PUB socket
@@ -33,7 +36,12 @@ from pegainfer import protocol
 logger = logging.getLogger(__name__)
 
 SOCKET_TABLE: list[dict[str, str]] = [
-    {"name": "launcher", "bound_by": "launcher", "pattern": "PULL", "carries": "ProcessReady"},
+    {
+        "name": "launcher",
+        "bound_by": "launcher",
+        "pattern": "PULL",
+        "carries": "ProcessReady, Drained, WatchdogAlarm",
+    },
     {
         "name": "tokenizer",
         "bound_by": "frontend",

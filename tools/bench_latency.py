@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="one step in flight: launch each step after the previous token reached the host",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile decode steps at the first context and print where the GPU time goes",
+    )
     p.add_argument("--out", default="bench_results")
     p.add_argument("--name", default="latency")
     return p
@@ -161,6 +166,37 @@ def run_context(
     }
 
 
+def profile_decode(
+    runner: Any, context: int, args: argparse.Namespace, in_flight: int, seq_id: int
+) -> None:
+    """A torch profiler summary of decode steps: which kernels take the GPU time."""
+    import os
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        run_context(runner, context, args.steps, args.warmup_steps, seq_id, 0, in_flight)
+    averages = prof.key_averages()
+    sort_key = "self_device_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
+    try:
+        table = averages.table(sort_by=sort_key, row_limit=25, max_name_column_width=70)
+    except (AttributeError, KeyError):
+        table = averages.table(sort_by="self_cuda_time_total", row_limit=25)
+    steps = args.steps + args.warmup_steps
+    print(
+        f"\nprofile of {steps} decode steps at context {context}, {in_flight} in flight:\n{table}"
+    )
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "latency_profile.txt"), "w") as f:
+        f.write(table)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def summarize_context(raw: dict[str, Any], shape: ModelShape, roof: Roofline) -> dict[str, Any]:
     times = raw["step_s"]
     mean_s = statistics.fmean(times)
@@ -223,6 +259,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runner, context, args.steps, args.warmup_steps, i, args.seed + i, in_flight
         )
         rows.append(summarize_context(raw, shape, roof))
+    if args.profile:
+        profile_decode(runner, contexts[0], args, in_flight, len(contexts))
     del runner
     if device.type == "cuda":
         torch.cuda.empty_cache()
