@@ -74,4 +74,3 @@ class TokenBytes:
         if _SPIECE_SPACE in piece:
             return piece.replace(_SPIECE_SPACE, " ").encode("utf-8")
         return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
-

@@ -51,7 +51,9 @@ class EngineClientProtocol(Protocol):
 
 
 def engine_dead_error(reason: str) -> APIError:
-    return APIError(503, f"the engine is not available: {reason}", SERVER_ERROR)
+    return APIError(
+        503, f"the engine is not available: {reason}", SERVER_ERROR, None, "engine_dead"
+    )
 
 
 class _Failure:

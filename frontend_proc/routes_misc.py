@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from frontend_proc import metrics
-from frontend_proc.errors import SERVER_ERROR, APIError, invalid, model_not_found
+from frontend_proc.errors import SERVER_ERROR, APIError, error_body, invalid, model_not_found
 from frontend_proc.fields import get_bool, get_object, get_str
 from frontend_proc.messages import parse_messages
 from frontend_proc.preprocess import Preprocessor, check_token_ids
@@ -36,9 +36,11 @@ def model_card(ctx: ServingContext) -> dict[str, Any]:
 def health_response(state: ServerState, engine: Any) -> web.Response:
     reason = dead_reason(engine)
     if reason is not None:
-        return json_response({"error": {"message": f"the engine is not available: {reason}"}}, 503)
+        message = f"the engine is not available: {reason}"
+        return json_response(error_body(message, SERVER_ERROR, None, "engine_dead"), 503)
     if state.draining:
-        return json_response({"error": {"message": "the server is shutting down"}}, 503)
+        message = "the server is shutting down"
+        return json_response(error_body(message, SERVER_ERROR, None, "server_draining"), 503)
     return web.Response(status=200)
 
 

@@ -207,7 +207,13 @@ def serve_headless(config: EngineConfig) -> int:
     try:
         for rank, name in zip(local_ranks(config), names):
             tree.spawn(name, "worker_proc", "--rank", str(rank))
-        logger.info("%s: started ranks %s; node 0 at %s", node, names, link_url(config))
+        logger.info(
+            "%s: started %s (run dir %s); node 0 at %s",
+            node,
+            ", ".join(names),
+            config.run_dir,
+            link_url(config),
+        )
         forwarded: set[str] = set()
         while True:
             tree.check_children()

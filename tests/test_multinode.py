@@ -179,14 +179,15 @@ def test_node_link_forwards_ready_and_stops_both_ways(monkeypatch):
         assert [m.name for m in got] == ["worker-2"] and got[0].info["num_kv_blocks"] == 7
         assert "node-1" in server.last_seen
         # Heartbeats flow from node 0 to the node that joined.
-        _until(lambda: (client.poll(), client.last_seen)[1] is not None)
+        _until(lambda: (server.poll(), client.poll(), client.last_seen)[2] is not None)
         server.check()
         client.check()
-        # A clean stop of node 0 stops node 1 cleanly; a failure is a failure.
+        # A clean stop of node 0 stops node 1 cleanly.
         server.close(node_link.STOPPED)
         with pytest.raises(node_link.StopFromNode0):
             _until(lambda: client.poll() or False, timeout=2)
     finally:
+        server.sock.close()
         client.close(None)
         ctx.term()
 
@@ -216,4 +217,5 @@ def test_node_link_reports_a_failed_or_silent_node(monkeypatch):
     finally:
         stranger.close()
         server.close("test over")
+        client.sock.close()
         ctx.term()

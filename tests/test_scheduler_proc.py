@@ -12,6 +12,7 @@ import zmq
 from pegainfer import ipc
 from pegainfer.protocol import (
     AbortRequests,
+    EngineStats,
     ProcessReady,
     RequestRejected,
     StepPlan,
@@ -66,7 +67,10 @@ def test_scheduler_process_end_to_end(tmp_path) -> None:
         inbound.send(b"\x93garbage")  # malformed: logged and dropped
         ipc.send(inbound, AbortRequests(["nobody"]))  # unknown: ignored
         ipc.send(inbound, make_request("huge", list(range(3, 40)), max_tokens=1))
-        rejected = ipc.recv(frontend, (RequestRejected,), "frontend", TIMEOUT_MS)
+        # The frontend socket also carries the scheduler's periodic EngineStats.
+        rejected = ipc.recv(frontend, None, "frontend", TIMEOUT_MS)
+        while isinstance(rejected, EngineStats):
+            rejected = ipc.recv(frontend, None, "frontend", TIMEOUT_MS)
         assert isinstance(rejected, RequestRejected) and rejected.status == 400
 
         ipc.send(inbound, make_request("r", [3, 4, 5], max_tokens=2))

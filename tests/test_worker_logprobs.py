@@ -106,3 +106,21 @@ def test_no_logprobs_asked_means_none_sent(runner):
     results = run_collecting(runner, {3: ([1, 2, 3, 4], 3, SamplingParams(temperature=0.0))})
     assert all(not r.logprobs and not r.prompt_logprobs for r in results)
     assert len(runner.logprobs) == 0
+
+
+def test_logprobs_are_raw_before_temperature_and_penalties(runner):
+    prompt = [9, 8, 7, 6, 5]
+    sampling = SamplingParams(
+        temperature=0.7, repetition_penalty=1.8, presence_penalty=1.0, seed=3, max_tokens=3,
+        logprobs=2,
+    )  # fmt: skip
+    results = run_collecting(runner, {4: (prompt, 3, sampling)})
+    entries = [entry for result in results for entry in result.logprobs]
+    output = [unpack_ids(entry.token_ids)[0] for entry in entries]
+    assert len(output) == 3
+    reference = torch.log_softmax(runner.prefill_logits(prompt + output), dim=-1)
+    for i, entry in enumerate(entries):
+        row = reference[len(prompt) - 1 + i]
+        (value,) = unpack_floats(entry.logprobs)
+        assert math.isclose(value, float(row[output[i]]), abs_tol=1e-4)
+        assert unpack_ids(entry.top_ids) == row.topk(2).indices.tolist()

@@ -12,7 +12,8 @@ as a steady slope, while allocator noise does not.
 
 On the CPU the KV cache's host pages are touched lazily, as blocks are first used, so a
 large cache makes RSS climb for a while without any leak. The default server arguments
-therefore use a small cache (64 MiB) that the warm-up fills completely.
+therefore use a small cache (64 MiB), and the run starts by prefilling long distinct prompts
+(``--fill-kv-tokens``) so that every block has been touched before memory is judged.
 """
 
 from __future__ import annotations
@@ -122,6 +123,33 @@ def client_loop(
             conn.close()
 
 
+def fill_kv_cache(host: str, port: int, total_tokens: int, api_key: str | None) -> None:
+    """Prefill distinct long prompts (no prefix-cache hits) until about ``total_tokens``
+    KV slots have been written once."""
+    rng = random.Random(0)
+    words = ["alpha", "river", "stone", "cloud", "seven", "green", "north", "quiet", "ember"]
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    sent = 0
+    while sent < total_tokens:
+        count = min(400, total_tokens - sent)
+        prompt = " ".join(rng.choice(words) + str(rng.randint(0, 99)) for _ in range(count // 3))
+        body = json.dumps({"prompt": prompt, "max_tokens": 1})
+        conn = http.client.HTTPConnection(host, port, timeout=600)
+        try:
+            conn.request("POST", "/v1/completions", body, headers)
+            response = conn.getresponse()
+            payload = json.loads(response.read() or b"{}")
+            if response.status != 200:
+                print(f"fill request refused ({response.status}): {payload}", flush=True)
+                return
+            sent += payload["usage"]["prompt_tokens"]
+        finally:
+            conn.close()
+    print(f"filled the KV cache with {sent} prompt tokens", flush=True)
+
+
 def tree_processes(launcher_pid: int) -> list[psutil.Process]:
     launcher = psutil.Process(launcher_pid)
     return [launcher, *launcher.children(recursive=True)]
@@ -194,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         default=2.0,
         help="after warm-up, a steeper RSS slope than this counts as growth",
     )
+    parser.add_argument(
+        "--fill-kv-tokens",
+        type=int,
+        default=2000,
+        help="prefill this many distinct prompt tokens first, touching every KV block",
+    )
     parser.add_argument("--json", default=None, help="write the samples and verdict here")
     parser.add_argument("server_args", nargs="*", help="extra arguments for pegainfer")
     args = parser.parse_args(argv)
@@ -209,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         proc, url = start_server(args, log_path)
         launcher_pid = proc.pid
     host, port = url.split("//", 1)[1].split(":")
+    if args.fill_kv_tokens > 0:
+        fill_kv_cache(host, int(port), args.fill_kv_tokens, args.api_key)
     counters = Counters()
     started = time.monotonic()
     deadline = started + args.duration

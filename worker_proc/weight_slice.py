@@ -74,7 +74,7 @@ class WeightSlice:
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         dim = dim % self.ndim
-        if not 0 <= start and start + length <= self.shape[dim]:
+        if start < 0 or length < 0 or start + length > self.shape[dim]:
             raise IndexError(
                 f"{self.name}: [{start}, {start + length}) is outside dim {dim} of "
                 f"{tuple(self.shape)}"
