@@ -51,6 +51,11 @@ def node_of_rank(config: EngineConfig, rank: int) -> int:
     return rank // ranks_per_node(config)
 
 
+def local_rank(config: EngineConfig, rank: int) -> int:
+    """The index of ``rank`` among this node's ranks: which local GPU it takes."""
+    return rank - node_of_rank(config, rank) * ranks_per_node(config)
+
+
 def local_ranks(config: EngineConfig) -> list[int]:
     """The ranks whose worker processes run on this node."""
     per_node = ranks_per_node(config)

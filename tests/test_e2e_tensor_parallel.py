@@ -35,20 +35,23 @@ PROMPTS = [
     "def fibonacci(n):",
     "Once upon a time, in a small village by the sea,",
 ]
-COMMON = ["--kv-cache-memory", "64MiB", "--max-model-len", "512", "--dtype", "float32"]
+# On the CPU even where there are GPUs: this file tests the gloo path, and its two "nodes" on
+# one host would both take GPU 0 (tests/test_gpu_tensor_parallel.py covers two GPUs).
+COMMON = ["--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "512"]
+COMMON += ["--dtype", "float32"]
 
 
 def _serve(model_dir: str, log_path, *extra: str) -> Server:
     return Server("--model-path", model_dir, *COMMON, *extra, log_path=str(log_path))
 
 
-def _generate(server: Server) -> list[list[int]]:
+def _generate(server: Server, num_tokens: int = NUM_TOKENS) -> list[list[int]]:
     def run(prompt: str) -> list[int]:
         status, body = server.post(
             "/v1/completions",
             {
                 "prompt": prompt,
-                "max_tokens": NUM_TOKENS,
+                "max_tokens": num_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
                 "return_token_ids": True,
@@ -61,17 +64,45 @@ def _generate(server: Server) -> list[list[int]]:
         return list(pool.map(run, PROMPTS))
 
 
-def _serve_and_generate(model_dir: str, log_path, *extra: str) -> list[list[int]]:
+def _sampled_and_echoed(server: Server) -> tuple[list[int], list[float]]:
+    """A seeded sampled completion (only rank 0 samples: the others must follow its draws)
+    and the prompt logprobs of an echo (its logits are all-gathered on every rank)."""
+    status, body = server.post(
+        "/v1/completions",
+        {
+            "prompt": PROMPTS[0],
+            "max_tokens": NUM_TOKENS,
+            "temperature": 0.8,
+            "seed": 1234,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    assert status == 200, body
+    sampled = body["choices"][0]["token_ids"]
+    status, body = server.post(
+        "/v1/completions",
+        {"prompt": PROMPTS[2], "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2},
+    )
+    assert status == 200, body
+    return sampled, body["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def _serve_and_generate(
+    model_dir: str, log_path, *extra: str, num_tokens: int = NUM_TOKENS, more: bool = False
+) -> dict:
     server = _serve(model_dir, log_path, *extra).wait_ready()
     try:
-        tokens = _generate(server)
+        outputs = {"greedy": _generate(server, num_tokens)}
+        if more:
+            outputs["sampled"], outputs["echo_logprobs"] = _sampled_and_echoed(server)
     finally:
         assert server.stop() == 0, server.log()[-3000:]
     assert server.leftovers() == []
-    return tokens
+    return outputs
 
 
-def _hf_greedy(model_dir: str) -> list[list[int]]:
+def _hf_greedy(model_dir: str, num_tokens: int = NUM_TOKENS) -> list[list[int]]:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
@@ -82,7 +113,7 @@ def _hf_greedy(model_dir: str) -> list[list[int]]:
             out = model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=NUM_TOKENS,
+                max_new_tokens=num_tokens,
                 min_new_tokens=0,
                 do_sample=False,
                 eos_token_id=None,
@@ -93,25 +124,37 @@ def _hf_greedy(model_dir: str) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def qwen3_tp1_tokens(tiny_qwen3_dir, tmp_path_factory) -> list[list[int]]:
-    return _serve_and_generate(tiny_qwen3_dir, tmp_path_factory.mktemp("tp1") / "tp1.log")
+def qwen3_tp1(tiny_qwen3_dir, tmp_path_factory) -> dict:
+    log_path = tmp_path_factory.mktemp("tp1") / "tp1.log"
+    return _serve_and_generate(tiny_qwen3_dir, log_path, more=True)
 
 
-def test_tiny_qwen3_tp2_matches_tp1_and_transformers(tiny_qwen3_dir, qwen3_tp1_tokens, tmp_path):
-    tp2 = _serve_and_generate(tiny_qwen3_dir, tmp_path / "tp2.log", "--tensor-parallel-size", "2")
-    assert all(len(tokens) == NUM_TOKENS for tokens in tp2)
-    assert tp2 == qwen3_tp1_tokens
-    assert tp2 == _hf_greedy(tiny_qwen3_dir)
+def test_tiny_qwen3_tp2_matches_tp1_and_transformers(tiny_qwen3_dir, qwen3_tp1, tmp_path):
+    tp2 = _serve_and_generate(
+        tiny_qwen3_dir, tmp_path / "tp2.log", "--tensor-parallel-size", "2", more=True
+    )
+    assert all(len(tokens) == NUM_TOKENS for tokens in tp2["greedy"])
+    assert tp2["greedy"] == qwen3_tp1["greedy"]
+    assert tp2["greedy"] == _hf_greedy(tiny_qwen3_dir)
+    assert len(tp2["sampled"]) == NUM_TOKENS and tp2["sampled"] == qwen3_tp1["sampled"]
+    echo1, echo2 = qwen3_tp1["echo_logprobs"], tp2["echo_logprobs"]
+    assert echo2[0] is None and len(echo2) == len(echo1) > 3
+    assert echo2[1:] == pytest.approx(echo1[1:], abs=1e-3)
 
 
 def test_smollm2_tp3_matches_tp1_and_transformers(smollm2_dir, tmp_path):
     # SmolLM2-135M has 9 attention heads and 3 kv heads: 2 does not divide 9, so it cannot
     # run at TP=2 (the next test checks that it is refused); TP=3 gives each rank 3 heads
     # and one kv head, and splits the MLP (1536) and the vocabulary (49152) evenly.
-    tp3 = _serve_and_generate(smollm2_dir, tmp_path / "tp3.log", "--tensor-parallel-size", "3")
-    tp1 = _serve_and_generate(smollm2_dir, tmp_path / "tp1.log")
+    # Fewer tokens than for the tiny model: three ranks on this 2-core machine run ~64 gloo
+    # collectives per step.
+    tp3 = _serve_and_generate(
+        smollm2_dir, tmp_path / "tp3.log", "--tensor-parallel-size", "3", num_tokens=12
+    )["greedy"]
+    tp1 = _serve_and_generate(smollm2_dir, tmp_path / "tp1.log", num_tokens=12)["greedy"]
+    assert all(len(tokens) == 12 for tokens in tp3)
     assert tp3 == tp1
-    assert tp3 == _hf_greedy(smollm2_dir)
+    assert tp3 == _hf_greedy(smollm2_dir, 12)
 
 
 @pytest.mark.parametrize(
@@ -239,7 +282,7 @@ def _listening(server: Server) -> list[str]:
     return found
 
 
-def test_two_nodes_on_one_host_match_one_node(tiny_qwen3_dir, qwen3_tp1_tokens, tmp_path):
+def test_two_nodes_on_one_host_match_one_node(tiny_qwen3_dir, qwen3_tp1, tmp_path):
     node0, node1 = _start_two_nodes(tiny_qwen3_dir, tmp_path)
     try:
         assert node1.run_dir and "pegainfer::worker-1" in node1.children()
@@ -252,7 +295,7 @@ def test_two_nodes_on_one_host_match_one_node(tiny_qwen3_dir, qwen3_tp1_tokens, 
             code1 = node1.proc.wait(timeout=30)  # it stops on its own when node 0 does
         finally:
             node1.stop()
-    assert tokens == qwen3_tp1_tokens
+    assert tokens == qwen3_tp1["greedy"]
     # The store, the node link, the plan port, gloo and HTTP: all on the given address.
     assert len(listening) >= 5 and set(listening) == {"127.0.0.1"}, listening
     assert code0 == 0, node0.log()[-3000:]

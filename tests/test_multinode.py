@@ -25,6 +25,8 @@ def test_ranks_are_laid_out_in_node_order():
     assert multinode.ranks_per_node(config) == 2
     assert multinode.local_ranks(config) == [2, 3]
     assert [multinode.node_of_rank(config, r) for r in range(4)] == [0, 0, 1, 1]
+    # Each node's ranks take that node's GPUs from cuda:0.
+    assert [multinode.local_rank(config, r) for r in range(4)] == [0, 1, 0, 1]
     assert multinode.local_ranks(_config(tensor_parallel_size=3)) == [0, 1, 2]
 
 

@@ -19,6 +19,7 @@ import time
 import torch
 
 from pegainfer.config import EngineConfig
+from pegainfer.multinode import local_rank
 from pegainfer.protocol import (
     StepPlan,
     StepResult,
@@ -100,7 +101,8 @@ class ModelRunner:
         unless ``config.enforce_eager``, none on the CPU (tests pass a stand-in)."""
         self.config = config
         self.rank = rank
-        self.device = resolve_device(config.device, rank)
+        # On node k > 0 the ranks take the node's own GPUs from 0 (pegainfer/multinode.py).
+        self.device = resolve_device(config.device, local_rank(config, rank))
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         if self.device.type == "cuda":
@@ -323,8 +325,8 @@ class ModelRunner:
             )
             with set_forward_context(context):
                 hidden = self.model(input_ids, positions)
-            if self.rank == 0:
-                self.logprobs.prompt_step(step_id, hidden, seqs, layout, self.model.compute_logits)
+            # On every rank: compute_logits all-gathers over the tensor-parallel ranks.
+            self.logprobs.prompt_step(step_id, hidden, seqs, layout, self.model.compute_logits)
             if not layout.sample_rows:
                 self.results.push(step_id, [], None)
                 return
