@@ -68,7 +68,9 @@ def _prefill_logits(model_dir: str, tmp_path, tp_size: int, prompts: list[list[i
     script.write_text(RANK_SCRIPT)
     run_dir = tmp_path / f"run-tp{tp_size}"
     run_dir.mkdir()
-    env = {**os.environ, "PYTHONPATH": REPO}
+    # Keep any PYTHONPATH already set (packages installed outside site-packages).
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), model_dir, str(run_dir), str(tp_size), str(rank)]

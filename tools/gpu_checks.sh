@@ -40,7 +40,7 @@ tests)
   step gpu_tests python3 -m pytest -v -rs -p no:cacheprovider \
     tests/test_model_golden.py tests/test_kernels_triton.py \
     tests/test_kernels_triton_attention.py \
-    tests/test_cuda_graphs.py tests/test_overlap.py tests/test_sampler.py
+    tests/test_cuda_graphs.py tests/test_overlap.py tests/test_sampler.py tests/test_worker_logprobs.py
   ;;
 bench)
   need_checkpoint
