@@ -2,11 +2,13 @@
 
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention, store_kv
+from kernels.linear import linear
 from kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_and_store_kv, rotary_embedding
 
 __all__ = [
     "fused_add_rms_norm",
+    "linear",
     "paged_attention",
     "rms_norm",
     "rotary_and_store_kv",

@@ -5,7 +5,9 @@ rotary layer; the rotation is computed in float32 and cast back.
 
 ``rotary_and_store_kv`` fuses the rotation with the KV-cache write: one Triton program per
 token rotates its q and k heads and writes the rotated k and the v to the token's slot, so
-the rotated k never makes a round trip through memory.
+the rotated k never makes a round trip through memory. With ``qk_norm`` (Qwen3's per-head
+RMSNorm of q and k before rope) the same program normalises each head first, so the norm
+costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -13,9 +15,18 @@ from __future__ import annotations
 import torch
 
 from kernels.attention import store_kv_ref
-from kernels.backend import load_triton, next_power_of_2, triton_jit, use_triton
+from kernels.backend import (
+    load_triton,
+    next_power_of_2,
+    triton_jit,
+    use_triton,
+)
+from kernels.rmsnorm import rms_norm_ref
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
+
+# (q_norm weight [head_dim], k_norm weight [head_dim], eps): per-head RMSNorm before rope.
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -55,9 +66,14 @@ def rotary_and_store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:
     """Rotate ``q`` and ``k``, write the rotated ``k`` and ``v [T, num_kv_heads, head_dim]``
-    to their cache slots (negative slot: skipped), and return the rotated ``q``."""
+    to their cache slots (negative slot: skipped), and return the rotated ``q``. With
+    ``qk_norm``, q and k are RMS-normalised per head first (rounded to their dtype)."""
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     q_rot, k_rot = rotary_embedding_ref(positions, q, k, cos_cache, sin_cache)
     store_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping)
     return q_rot
@@ -74,9 +90,12 @@ def _rotate_heads(
     sin,
     half,
     head_dim,
+    norm_ptr,
+    eps,
     HEADS: tl.constexpr,
     HALF: tl.constexpr,
     PASS: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Rotate ``HEADS`` heads of one token (NeoX: element i pairs with i + half) from
     ``src_ptr`` to ``dst_ptr``; dims past the rotary part are copied through."""
@@ -85,8 +104,20 @@ def _rotate_heads(
     mask = head_mask[:, None] & (dims < half)[None, :]
     src = src_ptr + heads[:, None] * stride_src_head + dims[None, :]
     dst = dst_ptr + heads[:, None] * stride_dst_head + dims[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + half, mask=mask, other=0.0)
+    in_ty = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    if NORM:
+        # Only with full rotary (PASS == 0): the two halves are the whole head.
+        mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / head_dim
+        inv_rms = tl.rsqrt(mean_square + eps)[:, None]
+        w1 = tl.load(norm_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
+        # Rounded to the input dtype as the separate norm's output would be.
+        x1 = (x1 * inv_rms * w1[None, :]).to(in_ty).to(tl.float32)
+        x2 = (x2 * inv_rms * w2[None, :]).to(in_ty).to(tl.float32)
     out_ty = dst_ptr.dtype.element_ty
     tl.store(dst, (x1 * cos[None, :] - x2 * sin[None, :]).to(out_ty), mask=mask)
     tl.store(dst + half, (x2 * cos[None, :] + x1 * sin[None, :]).to(out_ty), mask=mask)
@@ -115,6 +146,9 @@ def _rotary_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     stride_q_token,
     stride_q_head,
     stride_k_token,
@@ -134,6 +168,7 @@ def _rotary_kernel(
     PASS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     STORE_KV: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     # One program per token: the cos/sin row is loaded once for all q and k heads.
     token = tl.program_id(0).to(tl.int64)
@@ -152,9 +187,12 @@ def _rotary_kernel(
         sin,
         half,
         head_dim,
+        q_norm_ptr,
+        eps,
         Q_HEADS,
         HALF,
         PASS,
+        NORM,
     )
     kv_heads = tl.arange(0, KV_HEADS)
     kv_mask = kv_heads < num_kv_heads
@@ -177,9 +215,12 @@ def _rotary_kernel(
         sin,
         half,
         head_dim,
+        k_norm_ptr,
+        eps,
         KV_HEADS,
         HALF,
         PASS,
+        NORM,
     )
     if STORE_KV:
         full = tl.arange(0, HEAD_DIM)
@@ -207,6 +248,7 @@ def _launch_rotary(
     k_cache: torch.Tensor | None,
     v_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor | None,
+    qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -237,6 +279,9 @@ def _launch_rotary(
         cache_slot_stride = cache_head_stride = 0
     rotary_dim = 2 * half
     pass_dim = head_dim - rotary_dim
+    if qk_norm is not None and pass_dim:
+        raise ValueError("the fused q/k norm needs rotary over the whole head")
+    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (q, q, 0.0)
     _rotary_kernel[(num_tokens,)](
         positions,
         q,
@@ -249,6 +294,9 @@ def _launch_rotary(
         k_cache if store else q_out,
         v_cache if store else q_out,
         slot_mapping if store else positions,
+        q_norm,
+        k_norm,
+        eps,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -268,6 +316,7 @@ def _launch_rotary(
         PASS=next_power_of_2(pass_dim) if pass_dim else 0,
         HEAD_DIM=next_power_of_2(head_dim),
         STORE_KV=store,
+        NORM=qk_norm is not None,
         num_warps=4,
     )
     return q_out, k_out
@@ -295,9 +344,10 @@ def rotary_and_store_kv_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:
     q_out, _ = _launch_rotary(
-        positions, q, k, v, cos_cache, sin_cache, k_cache, v_cache, slot_mapping
+        positions, q, k, v, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, qk_norm
     )
     return q_out
 
@@ -324,13 +374,10 @@ def rotary_and_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:
-    """Rotary embedding of ``q``/``k`` fused with the cache write of ``k``/``v``; returns the
-    rotated ``q [T, num_heads, head_dim]``. The rotated ``k`` lives only in the cache."""
-    if use_triton(q):
-        return rotary_and_store_kv_triton(
-            positions, q, k, v, cos_cache, sin_cache, k_cache, v_cache, slot_mapping
-        )
-    return rotary_and_store_kv_ref(
-        positions, q, k, v, cos_cache, sin_cache, k_cache, v_cache, slot_mapping
-    )
+    """Rotary embedding of ``q``/``k`` (after the per-head ``qk_norm``, if given) fused with
+    the cache write of ``k``/``v``; returns the rotated ``q [T, num_heads, head_dim]``. The
+    rotated ``k`` lives only in the cache."""
+    fn = rotary_and_store_kv_triton if use_triton(q) else rotary_and_store_kv_ref
+    return fn(positions, q, k, v, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, qk_norm)

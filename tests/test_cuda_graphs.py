@@ -108,7 +108,10 @@ def test_decode_layout_fast_path_equals_the_general_one():
 def test_graph_decode_matches_eager(graph_runner, checkpoint):
     runner, backend = graph_runner
     assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8, 12]
-    assert backend.num_captures == 5
+    assert runner.prefill_graphs is not None
+    prefill_sizes = runner.prefill_graphs.token_sizes
+    assert prefill_sizes and prefill_sizes == sorted(prefill_sizes)
+    assert backend.num_captures == 5 + len(prefill_sizes)
     eager = ModelRunner(engine_config(checkpoint, max_num_seqs=12))
     assert eager.graphs is None  # the CPU default: no graphs
     requests = _requests()
@@ -130,18 +133,25 @@ def test_padding_rows_write_no_kv(graph_runner):
     prefill = StepPlan(
         0, new, pack_ids([0, 1, 2]), pack_ids([0] * 3), pack_ids([3] * 3), updates, b""
     )
+    def written_slots(before: torch.Tensor) -> list[list[int]]:
+        # Bitwise: the CPU cache is uninitialised, and NaN != NaN.
+        changed = runner.kv_storage.view(torch.int32) != before.view(torch.int32)
+        changed = changed.flatten(4).any(-1)  # [layers, k/v, blocks, offset]
+        return changed.nonzero()[:, 2:].unique(dim=0).tolist()
+
     replays = backend.num_replays
+    runner.kv_storage.fill_(float("nan"))  # earlier tests may have left these very values
+    before = runner.kv_storage.clone()
     runner.execute(prefill)
-    assert backend.num_replays == replays  # prefill ran eagerly
+    # Nine tokens in three sequences, padded to the smallest prefill graph: the padding
+    # tokens write nothing.
+    assert backend.num_replays == replays + 1
+    assert written_slots(before) == [[b, o] for b in range(3) for o in range(3)]
     before = runner.kv_storage.clone()
     decode = StepPlan(1, [], pack_ids([0, 1, 2]), pack_ids([3] * 3), pack_ids([1] * 3), [], b"")
     runner.execute(decode)
-    assert backend.num_replays == replays + 1
-    # Bitwise: the CPU cache is uninitialised, and NaN != NaN.
-    changed = runner.kv_storage.view(torch.int32) != before.view(torch.int32)
-    changed = changed.flatten(4).any(-1)  # [layers, k/v, blocks, offset]
-    written = changed.nonzero()[:, 2:].unique(dim=0).tolist()
-    assert written == [[0, 3], [1, 3], [2, 3]]
+    assert backend.num_replays == replays + 2
+    assert written_slots(before) == [[0, 3], [1, 3], [2, 3]]
     runner.execute(StepPlan(2, [], b"", b"", b"", [], pack_ids([0, 1, 2])))
 
 

@@ -173,6 +173,38 @@ def test_rotary_and_store_kv(dtype, tokens, heads, kv_heads, head_dim, rotary_di
     assert_same_cache(v_cache, v_ref, "v cache")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(7, 4, 2, 32), (5, 6, 3, 48)])
+def test_rotary_and_store_kv_with_qk_norm(dtype, tokens, heads, kv_heads, head_dim):
+    """Qwen3's per-head q/k RMSNorm fused ahead of the rotation."""
+    g = gen(16)
+    block_size = 4
+    num_blocks = tokens // block_size + 3
+    cos, sin = _cos_sin(4096, head_dim)
+    q, k, v = _qkv_views(tokens, heads, kv_heads, head_dim, dtype, g)
+    q, k = 4.0 * q, 0.25 * k  # the norm must undo the scale
+    positions = torch.randint(0, 4096, (tokens,), generator=g).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens].to(DEVICE)
+    qk_norm = (randn(head_dim, g=g, dtype=dtype), randn(head_dim, g=g, dtype=dtype), 1e-6)
+    k_cache = nan_cache(num_blocks, block_size, kv_heads, head_dim, dtype)
+    v_cache = k_cache.clone()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    with poisoned():
+        q_out = rotary_and_store_kv_triton(
+            positions, q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm
+        )
+    q_expected = rotary_and_store_kv_ref(positions, q, k, v, cos, sin, k_ref, v_ref, slots, qk_norm)
+    check(q_out, q_expected, "normed, rotated q")
+    assert_same_cache(k_cache, k_ref, "normed k cache")
+    assert_same_cache(v_cache, v_ref, "v cache")
+    # The fused reference equals norm-then-rope done separately.
+    q_normed = rms_norm_ref(q, qk_norm[0], 1e-6)
+    k_normed = rms_norm_ref(k, qk_norm[1], 1e-6)
+    k_sep, v_sep = k_cache.clone().fill_(float("nan")), v_cache.clone().fill_(float("nan"))
+    q_sep = rotary_and_store_kv_ref(positions, q_normed, k_normed, v, cos, sin, k_sep, v_sep, slots)
+    assert torch.equal(q_sep, q_expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv(dtype):
     g = gen(7)

@@ -33,8 +33,9 @@ from worker_proc.batch import (
     build_batch,
     layout_step,
 )
-from worker_proc.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend, capture_sizes
+from worker_proc.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
 from worker_proc.forward_context import ForwardContext, set_forward_context
+from worker_proc.graph_capture import capture_graphs
 from worker_proc.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
@@ -50,6 +51,7 @@ from worker_proc.loader import load_model
 from worker_proc.logprobs import LogprobsCollector
 from worker_proc.model_config import load_model_config
 from worker_proc.parallel_state import broadcast_from_rank0, init_distributed
+from worker_proc.prefill_graphs import PrefillGraphs
 from worker_proc.sampler import Sampler, SamplingBatch, has_penalties
 from worker_proc.seq_slots import SlotTable
 from worker_proc.step_results import ResultQueue
@@ -151,11 +153,22 @@ class ModelRunner:
         self._early_results: list[StepResult] = []  # copied back ahead of poll_results
 
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.graph_capture_seconds = 0.0
         if graph_backend is None and self.device.type == "cuda" and not config.enforce_eager:
             graph_backend = CudaGraphBackend(self.device)
         if graph_backend is not None:
-            self._capture_graphs(graph_backend)
+            captured = capture_graphs(
+                self.model,
+                config,
+                self.model_config.vocab_size,
+                self.max_blocks_per_seq,
+                self.dtype,
+                self.device,
+                graph_backend,
+            )
+            self.graphs, self.prefill_graphs = captured.decode, captured.prefill
+            self.graph_capture_seconds = captured.seconds
 
     # ------------------------------------------------------------------ KV cache sizing
 
@@ -212,30 +225,6 @@ class ModelRunner:
         )
         return kv_bytes
 
-    # ------------------------------------------------------------------ CUDA graphs
-
-    @torch.inference_mode()
-    def _capture_graphs(self, backend: GraphBackend) -> None:
-        graphs = DecodeGraphs(
-            capture_sizes(self.config.max_num_seqs),
-            self.max_blocks_per_seq,
-            self.config.max_model_len,
-            self.model_config.vocab_size,
-            self.dtype,
-            self.device,
-        )
-
-        def forward_logits(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return self.model.compute_logits(self.model(input_ids, positions))
-
-        try:
-            self.graph_capture_seconds = graphs.capture(forward_logits, backend)
-        except Exception:
-            # Some kernel is not capturable (a host sync inside); serving still works.
-            logger.warning("decode graph capture failed; running eagerly", exc_info=True)
-            return
-        self.graphs = graphs
-
     # ------------------------------------------------------------------ plans
 
     def _copy_back_all(self) -> None:
@@ -255,21 +244,27 @@ class ModelRunner:
         seqs = self.live.batch(seq_ids, num_computed, num_scheduled)
         if any(s.num_unresolved and has_penalties(s.sampling) for s in seqs):
             self._copy_back_all()  # penalties read the whole history on the host
-        size = None
-        if self.graphs is not None:
+        size = prefill_size = None
+        # Prompt logprobs need the hidden states: such steps run eagerly.
+        if self.graphs is not None and all(s.sampling.prompt_logprobs is None for s in seqs):
             size = self.graphs.size_for(len(seqs), max(num_scheduled))
-            if size is not None and any(s.sampling.prompt_logprobs is not None for s in seqs):
-                size = None  # prompt logprobs need the hidden states: run eagerly
+            if size is None and self.prefill_graphs is not None:
+                prefill_size = self.prefill_graphs.size_for(len(seqs), sum(num_scheduled))
         args = (seqs, num_computed, num_scheduled, self.block_size, size, self.slots.scratch_slot)
         try:
             layout = layout_step(*args)
         except TokensNotOnHost:
             self._copy_back_all()
             layout = layout_step(*args)
-        self._run(plan.step_id, seqs, layout, size)
+        self._run(plan.step_id, seqs, layout, size, prefill_size)
 
     def _run(
-        self, step_id: int, seqs: list[SequenceState], layout: StepLayout, size: int | None
+        self,
+        step_id: int,
+        seqs: list[SequenceState],
+        layout: StepLayout,
+        size: int | None,
+        prefill_size: int | None = None,
     ) -> None:
         (
             input_ids,
@@ -306,6 +301,26 @@ class ModelRunner:
                 self.results.push(step_id, [], None)
                 return
             logits = graphs.replay(size).index_select(0, sample_index)
+        elif prefill_size is not None:
+            prefill = self.prefill_graphs
+            assert prefill is not None
+            if len(layout.pending_index):
+                input_ids.index_copy_(0, pending_index, last_token.index_select(0, pending_slot))
+            prefill.load(
+                input_ids,
+                positions,
+                slot_mapping,
+                context_lens,
+                query_lens,
+                query_start_loc,
+                self.slots.block_tables,
+                row_slots,
+                sample_index,
+            )
+            logits = prefill.replay(prefill_size)[: len(layout.sample_rows)]
+            if not layout.sample_rows:
+                self.results.push(step_id, [], None)
+                return
         else:
             if len(layout.pending_index):
                 input_ids.index_copy_(0, pending_index, last_token.index_select(0, pending_slot))

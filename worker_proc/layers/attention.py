@@ -37,11 +37,13 @@ class Attention(nn.Module):
         v: torch.Tensor,
         positions: torch.Tensor | None = None,
         rotary: nn.Module | None = None,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
         """``q [T, num_heads * head_dim]``, ``k, v [T, num_kv_heads * head_dim]`` ->
         ``[T, num_heads * head_dim]``. With ``rotary`` (a RotaryEmbedding), q and k are rotated
         here, in the same kernel that writes k and v to the cache: one pass over k instead of
-        three."""
+        three. ``qk_norm`` (q weight, k weight, eps): a per-head RMSNorm of q and k before
+        rope, fused into the same kernel when there is a rotary embedding."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError(f"layer {self.layer_idx} has no KV cache bound")
         ctx = get_forward_context()
@@ -50,6 +52,9 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if rotary is None:
+            if qk_norm is not None:
+                q_weight, k_weight, eps = qk_norm
+                q, k = kernels.rms_norm(q, q_weight, eps), kernels.rms_norm(k, k_weight, eps)
             kernels.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         else:
             q = kernels.rotary_and_store_kv(
@@ -62,6 +67,7 @@ class Attention(nn.Module):
                 self.k_cache,
                 self.v_cache,
                 ctx.slot_mapping,
+                qk_norm,
             )
         out = kernels.paged_attention(
             q,

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from worker_proc.layers.linear import _check_shape
 from worker_proc.parallel_state import (
     get_tp_rank,
@@ -69,7 +70,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab_size]`` in the model dtype, on every rank."""
-        logits = tensor_model_parallel_all_gather(F.linear(hidden_states, self.weight))
+        logits = tensor_model_parallel_all_gather(kernels.linear(hidden_states, self.weight))
         return logits[..., : self.num_embeddings]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,9 @@ range from the file. A plain tensor works the same.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from worker_proc.parallel_state import (
     get_tp_rank,
     get_tp_size,
@@ -81,7 +81,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = kernels.linear(x, self.weight, self.bias)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -180,7 +180,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = kernels.linear(x, self.weight)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         if self.bias is not None:

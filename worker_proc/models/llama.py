@@ -56,16 +56,18 @@ class LlamaAttention(nn.Module):
             self.num_heads, config.head_dim, config.head_dim**-0.5, self.num_kv_heads, layer_idx
         )
 
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Llama has no q/k normalization; families that do override this."""
-        return q, k
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """Llama has no q/k normalization; families with a per-head RMSNorm of q and k
+        before rope return ``(q weight, k weight, eps)``."""
+        return None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.normalize_qk(q, k)
-        # Rotary embedding is applied inside the attention layer, fused with the KV write.
-        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
+        # Rotary embedding (and any q/k norm) is applied inside the attention layer, fused
+        # with the KV write.
+        out = self.attn(q, k, v, positions, self.rotary_emb, self.qk_norm())
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):

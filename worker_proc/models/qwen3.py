@@ -28,11 +28,8 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        num_tokens = q.shape[0]
-        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-        return q, k
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
 
 Qwen3MLP = LlamaMLP

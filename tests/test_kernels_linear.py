@@ -1,0 +1,87 @@
+"""The Triton linear kernels (kernels/linear.py) against ``F.linear``: the one-row GEMV,
+the tensor-core skinny GEMM with and without the split over K, odd sizes, bias, and the
+dispatch that sends many rows to cuBLAS. Fresh random inputs each run (seed in messages).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_test_util import CUDA, DEVICE, check, gen, poisoned, randn, requires_triton
+
+from kernels.linear import LinearConfig, linear, linear_ref, linear_triton, triton_handles
+from kernels.linear_configs import MAX_TRITON_ROWS, pick_config
+
+pytestmark = requires_triton
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+GEMV = [
+    LinearConfig("gemv", block_n=4, block_k=64, num_warps=2),
+    LinearConfig("gemv", block_n=1, block_k=128, num_warps=1),
+]
+DOT = [
+    LinearConfig("dot", block_n=32, block_k=32, num_warps=4, block_m=16),
+    LinearConfig("dot", block_n=16, block_k=32, num_warps=4, block_m=16, split_k=3),
+    LinearConfig("dot", block_n=32, block_k=16, num_warps=4, block_m=32, split_k=2),
+]
+
+# (rows, N, K): an N not divisible by the tile, a K not divisible by the chunk, both even.
+SHAPES = [(1, 48, 128), (3, 37, 200), (2, 64, 96), (17, 33, 80)]
+
+
+def _inputs(rows: int, n: int, k: int, dtype: torch.dtype, offset: int, bias: bool):
+    g = gen(offset)
+    x = randn(rows, k, g=g, dtype=dtype)
+    weight = randn(n, k, g=g, dtype=dtype, scale=k**-0.5)
+    b = randn(n, g=g, dtype=dtype) if bias else None
+    return x, weight, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", GEMV + DOT, ids=lambda c: f"{c.kind}-n{c.block_n}-s{c.split_k}")
+@pytest.mark.parametrize("rows,n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_reference(dtype, config, rows, n, k, bias):
+    x, weight, b = _inputs(rows, n, k, dtype, 10 + rows + n + k, bias)
+    with poisoned():
+        out = linear_triton(x, weight, b, config)
+    check(
+        out,
+        linear_ref(x.float(), weight.float(), None if b is None else b.float()).to(dtype),
+        f"linear {config} rows={rows} n={n} k={k} bias={bias}",
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_keeps_leading_dims_and_strided_rows(dtype):
+    x, weight, _ = _inputs(6, 40, 64, dtype, 3, False)
+    wide = torch.cat([x, x], dim=1)[:, :64]  # rows with a stride of 128
+    out = linear_triton(wide.view(2, 3, 64), weight, None, DOT[0])
+    assert out.shape == (2, 3, 40)
+    check(out.view(6, 40), linear_ref(x.float(), weight.float()).to(dtype), "leading dims")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 33, MAX_TRITON_ROWS])
+def test_default_config_matches_reference(rows):
+    dtype = torch.bfloat16
+    n, k = (2560, 4096) if CUDA else (96, 256)
+    x, weight, _ = _inputs(rows, n, k, dtype, 40 + rows, False)
+    config = pick_config(rows, n, k)
+    with poisoned():
+        out = linear_triton(x, weight, None, config)
+    check(out, linear_ref(x.float(), weight.float()).to(dtype), f"default {config}")
+
+
+def test_dispatch_rules():
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    w = torch.zeros(3, 8, dtype=torch.bfloat16)
+    assert not triton_handles(x, w)  # CPU tensors run the reference
+    out = linear(x, w)
+    assert out.shape == (4, 3)
+    if CUDA:
+        xg, wg = x.to(DEVICE), w.to(DEVICE)
+        assert triton_handles(xg, wg)
+        big = torch.zeros(MAX_TRITON_ROWS + 1, 8, dtype=torch.bfloat16, device=DEVICE)
+        assert not triton_handles(big, wg)  # many rows: cuBLAS
+        assert not triton_handles(xg.float(), wg.float())  # float32: cuBLAS

@@ -1,0 +1,76 @@
+"""Capturing every graph a worker replays: decode graphs, then short-prefill graphs.
+
+Both kinds share the backend's memory pool. A capture that fails (a kernel that syncs with
+the host, say) is logged and leaves that kind of step eager; serving still works.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pegainfer.config import EngineConfig
+from worker_proc.cuda_graphs import DecodeGraphs, GraphBackend, capture_sizes
+from worker_proc.prefill_graphs import MAX_SEQS, PrefillGraphs, prefill_token_sizes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CapturedGraphs:
+    decode: DecodeGraphs | None = None
+    prefill: PrefillGraphs | None = None
+    seconds: float = 0.0
+
+
+@torch.inference_mode()
+def capture_graphs(
+    model: nn.Module,
+    config: EngineConfig,
+    vocab_size: int,
+    max_blocks_per_seq: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: GraphBackend,
+) -> CapturedGraphs:
+    captured = CapturedGraphs()
+    decode = DecodeGraphs(
+        capture_sizes(config.max_num_seqs),
+        max_blocks_per_seq,
+        config.max_model_len,
+        vocab_size,
+        dtype,
+        device,
+    )
+
+    def forward_logits(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return model.compute_logits(model(input_ids, positions))
+
+    try:
+        captured.seconds = decode.capture(forward_logits, backend)
+    except Exception:
+        logger.warning("decode graph capture failed; running eagerly", exc_info=True)
+        return captured
+    captured.decode = decode
+    token_sizes = prefill_token_sizes(config.max_num_batched_tokens)
+    if not token_sizes:
+        return captured
+    prefill = PrefillGraphs(
+        token_sizes,
+        min(MAX_SEQS, config.max_num_seqs),
+        max_blocks_per_seq,
+        config.max_model_len,
+        vocab_size,
+        dtype,
+        device,
+    )
+    try:
+        captured.seconds += prefill.capture(model, model.compute_logits, backend)
+    except Exception:
+        logger.warning("prefill graph capture failed; short prefills run eagerly", exc_info=True)
+        return captured
+    captured.prefill = prefill
+    return captured

@@ -1,0 +1,156 @@
+"""CUDA graphs for short prefills: a prompt's tail after a prefix-cache hit, a short prompt.
+
+Run eagerly, a prefill of a few dozen tokens costs a launch per kernel through every layer
+(about a thousand from Python, tens of milliseconds), against a few milliseconds of GPU
+work. So batches of at most ``max(token_sizes)`` tokens in at most ``max_seqs`` sequences
+are padded up to the next captured token count and replayed, exactly as decode batches are
+(worker_proc/cuda_graphs.py), only with the prefill attention path: the graph is captured
+with ``max_query_len`` equal to its token count, so the attention grid covers any batch it
+is given; the kernel reads each sequence's real query and context lengths from the device.
+
+Padding: tokens past the batch read id 0 at position 0, write no KV (slot -1) and belong to
+no sequence (``query_start_loc`` stays at the real token count), so attention skips them;
+sequences past the batch have no queries and no context. The graph computes logits only
+for ``sample_index`` (one row per sequence slot, padded with row 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from worker_proc.cuda_graphs import GraphBackend, Replay, pick_size
+from worker_proc.forward_context import ForwardContext, set_forward_context
+
+logger = logging.getLogger(__name__)
+
+TOKEN_SIZES = (32, 64, 128, 256, 512)
+MAX_SEQS = 4
+
+
+def prefill_token_sizes(max_num_batched_tokens: int) -> list[int]:
+    return [size for size in TOKEN_SIZES if size <= max_num_batched_tokens]
+
+
+class PrefillGraphs:
+    """Static prefill inputs and one captured replay per padded token count."""
+
+    def __init__(
+        self,
+        token_sizes: list[int],
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        max_model_len: int,
+        vocab_size: int,
+        logits_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.token_sizes = sorted(token_sizes)
+        self.max_seqs = max_seqs
+        self.max_model_len = max_model_len
+        tokens = self.token_sizes[-1]
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self.context_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.query_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(
+            (max_seqs, max_blocks_per_seq), dtype=torch.int32, device=device
+        )
+        self.sample_index = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self.logits = torch.empty((max_seqs, vocab_size), dtype=logits_dtype, device=device)
+        self._replays: dict[int, Replay] = {}
+
+    def context(self, tokens: int) -> ForwardContext:
+        return ForwardContext(
+            slot_mapping=self.slot_mapping[:tokens],
+            block_tables=self.block_tables,
+            context_lens=self.context_lens,
+            query_lens=self.query_lens,
+            query_start_loc=self.query_start_loc,
+            max_query_len=tokens,
+            max_context_len=self.max_model_len,
+            num_seqs=self.max_seqs,
+            num_tokens=tokens,
+        )
+
+    def capture(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        backend: GraphBackend,
+    ) -> float:
+        """Capture ``compute_logits(forward(ids, positions)[sample_index])`` at every token
+        count, largest first; returns the seconds it took."""
+        started = time.monotonic()
+        self._reset_padding(0, 0)
+        for tokens in sorted(self.token_sizes, reverse=True):
+            context = self.context(tokens)
+            input_ids, positions = self.input_ids[:tokens], self.positions[:tokens]
+
+            def run(context=context, input_ids=input_ids, positions=positions) -> torch.Tensor:
+                with set_forward_context(context):
+                    hidden = forward(input_ids, positions)
+                self.logits.copy_(compute_logits(hidden.index_select(0, self.sample_index)))
+                return self.logits
+
+            self._replays[tokens] = backend.capture(run)
+        elapsed = time.monotonic() - started
+        logger.info(
+            "captured %d prefill graphs in %.2f s, up to %d tokens in %d sequences",
+            len(self.token_sizes),
+            elapsed,
+            self.token_sizes[-1],
+            self.max_seqs,
+        )
+        return elapsed
+
+    def size_for(self, num_seqs: int, num_tokens: int) -> int | None:
+        """The graph that runs this prefill batch, or None when it must run eagerly."""
+        if not self._replays or num_seqs > self.max_seqs:
+            return None
+        return pick_size(num_tokens, self.token_sizes)
+
+    def _reset_padding(self, num_tokens: int, num_seqs: int) -> None:
+        self.input_ids[num_tokens:].zero_()
+        self.positions[num_tokens:].zero_()
+        self.slot_mapping[num_tokens:].fill_(-1)
+        self.context_lens[num_seqs:].zero_()
+        self.query_lens[num_seqs:].zero_()
+        self.query_start_loc[num_seqs + 1 :].fill_(num_tokens)
+        self.sample_index[num_seqs:].zero_()
+
+    def load(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        slot_block_tables: torch.Tensor,
+        row_slots: torch.Tensor,
+        sample_index: torch.Tensor,
+    ) -> None:
+        """Fill the static buffers with one unpadded batch (its tensors on the device); each
+        sequence's block table row is gathered from the persistent per-slot table."""
+        num_tokens, num_seqs = input_ids.shape[0], context_lens.shape[0]
+        self.input_ids[:num_tokens].copy_(input_ids)
+        self.positions[:num_tokens].copy_(positions)
+        self.slot_mapping[:num_tokens].copy_(slot_mapping)
+        self.context_lens[:num_seqs].copy_(context_lens)
+        self.query_lens[:num_seqs].copy_(query_lens)
+        self.query_start_loc[: num_seqs + 1].copy_(query_start_loc)
+        torch.index_select(slot_block_tables, 0, row_slots, out=self.block_tables[:num_seqs])
+        self._reset_padding(num_tokens, num_seqs)
+        self.sample_index.zero_()
+        self.sample_index[: sample_index.shape[0]].copy_(sample_index)
+
+    def replay(self, tokens: int) -> torch.Tensor:
+        """Logits ``[max_seqs, vocab]``, row i for ``sample_index[i]``; valid until the next
+        replay."""
+        return self._replays[tokens]()
