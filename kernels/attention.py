@@ -256,7 +256,15 @@ def paged_attention_triton(
             q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len
         )
     return paged_prefill_attention_triton(
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_query_len
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        scale,
+        max_query_len,
+        max_context_len,
     )
 
 

@@ -12,13 +12,28 @@ Grid ``(query tiles, num_kv_heads, num_seqs)``. The ``BLOCK_M`` rows of a tile a
 so each K/V tile loaded from the cache serves the whole group. Scores and the online
 softmax are float32 (exp2, scale folded in); both products run in the input dtype on
 tensor cores with float32 accumulation.
+
+A few queries over a long context (a prompt's tail after a prefix-cache hit) give too few
+programs to fill the GPU, each walking thousands of keys. Then the keys are also split
+(``num_splits`` programs per tile, each over one contiguous range): every program writes
+its rows' normalised partial output and log-sum-exp, and ``_prefill_merge_kernel`` combines
+them, as decode attention does. The number of splits is a host integer chosen from the grid
+and ``max_context_len``; how many keys each split covers is decided on the device from the
+sequence's own context, so a captured graph replays for any context length.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.backend import cdiv, dot_needs_fp32, load_triton, next_power_of_2, triton_jit
+from kernels.backend import (
+    cdiv,
+    dot_needs_fp32,
+    load_triton,
+    next_power_of_2,
+    num_sms,
+    triton_jit,
+)
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -44,6 +59,10 @@ def _prefill_kernel(
     stride_out_token,
     stride_out_head,
     head_dim,
+    num_splits,
+    partial_out_ptr,
+    partial_lse_ptr,
+    num_tokens,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -52,10 +71,12 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     # Tiles run last-first: the late tiles of a long prompt see the most keys, and
     # starting them early evens out the tail of the launch.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    tile = tl.num_programs(0) // num_splits - 1 - tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
     kv_head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
     query_start = tl.load(query_start_loc_ptr + seq)
@@ -85,12 +106,19 @@ def _prefill_kernel(
         last_query = tl.minimum(first_query + queries_per_tile, query_len) - 1
         kv_end = context_len - query_len + last_query + 1
 
+        kv_begin = 0
+        if SPLIT:
+            per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+            kv_begin = split * per_split
+            kv_end = tl.minimum(kv_end, kv_begin + per_split)
+
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         table_row = block_tables_ptr + seq * stride_table_seq
         head_offset = kv_head * stride_cache_head
-        for block_start in range(0, kv_end, BLOCK_N):
+        # An empty range (a split past this tile's last key) skips the loop: l_i stays 0.
+        for block_start in range(kv_begin, kv_end, BLOCK_N):
             keys = block_start + tl.arange(0, BLOCK_N)
             key_mask = keys < kv_end
             blocks = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0)
@@ -120,12 +148,63 @@ def _prefill_kernel(
 
         # A row that saw no key (only if query_len > context_len: bad input) writes 0.
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        out_offsets = token[:, None] * stride_out_token + heads[:, None] * stride_out_head
-        tl.store(
-            out_ptr + out_offsets + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=q_mask,
+        if SPLIT:
+            # partial_out [num_splits, num_tokens, num_heads, head_dim], lse alike without
+            # head_dim; a row with no visible key in this split weighs 0 in the merge.
+            num_heads = tl.num_programs(1) * GROUP
+            row_index = (split * num_tokens + token) * num_heads + heads
+            tl.store(
+                partial_out_ptr + row_index[:, None] * head_dim + dims[None, :],
+                out,
+                mask=q_mask,
+            )
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), -float("inf"))
+            tl.store(partial_lse_ptr + row_index, lse, mask=row_valid)
+        else:
+            out_offsets = token[:, None] * stride_out_token + heads[:, None] * stride_out_head
+            tl.store(
+                out_ptr + out_offsets + dims[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=q_mask,
+            )
+
+
+@triton_jit
+def _prefill_merge_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    stride_out_token,
+    stride_out_head,
+    num_tokens,
+    num_seqs,
+    num_splits,
+    head_dim,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    # Rows past the batch's last query (padding of a captured graph) are not written.
+    if token < tl.load(query_start_loc_ptr + num_seqs):
+        splits = tl.arange(0, SPLITS)
+        dims = tl.arange(0, HEAD_DIM)
+        split_mask = splits < num_splits
+        row_index = (splits * num_tokens + token) * num_heads + head
+        lse = tl.load(partial_lse_ptr + row_index, mask=split_mask, other=-float("inf"))
+        lse_max = tl.maximum(tl.max(lse, axis=0), -1.0e30)
+        weights = tl.exp2(lse - lse_max)
+        total = tl.sum(weights, axis=0)
+        partial = tl.load(
+            partial_out_ptr + row_index[:, None] * head_dim + dims[None, :],
+            mask=(split_mask & (weights > 0.0))[:, None] & (dims < head_dim)[None, :],
+            other=0.0,
         )
+        merged = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+        out_offsets = token * stride_out_token + head * stride_out_head + dims
+        tl.store(out_ptr + out_offsets, merged.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
 def prefill_tile_config(dtype: torch.dtype, head_dim: int, group: int) -> tuple[int, int, int]:
@@ -142,6 +221,21 @@ def prefill_tile_config(dtype: torch.dtype, head_dim: int, group: int) -> tuple[
     return max(block_m, group_pad, 16), block_n, warps
 
 
+# A split covers at least this many keys; at most this many splits.
+MIN_SPLIT_KEYS = 512
+MAX_SPLITS = 16
+
+
+def choose_prefill_splits(num_programs: int, max_context_len: int, device: torch.device) -> int:
+    """Key splits per tile: 1 when the tiles alone fill the GPU (about two programs per SM)
+    or the context is short; otherwise enough to fill it. Host integers only."""
+    sms = num_sms(device.index or 0) if device.type == "cuda" else 132
+    if num_programs >= 2 * sms or max_context_len < 2 * MIN_SPLIT_KEYS:
+        return 1
+    by_length = max_context_len // MIN_SPLIT_KEYS
+    return max(1, min(cdiv(2 * sms, num_programs), by_length, MAX_SPLITS))
+
+
 def paged_prefill_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -151,15 +245,18 @@ def paged_prefill_attention_triton(
     query_start_loc: torch.Tensor,
     scale: float,
     max_query_len: int = 0,
+    max_context_len: int = 0,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [T, num_heads, head_dim]`` over the paged cache.
 
     ``max_query_len`` sizes the grid; when 0 it is read from ``query_start_loc`` (one host
-    sync, fine for eager prefill). Rows of ``q`` past ``query_start_loc[-1]`` are not
-    written.
+    sync, fine for eager prefill). ``max_context_len`` (0: unknown, no split) decides the
+    split over keys unless ``num_splits`` is given. Rows of ``q`` past
+    ``query_start_loc[-1]`` are not written.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -187,7 +284,22 @@ def paged_prefill_attention_triton(
     block_n = block_n or default_n
     queries_per_tile = block_m // group_pad
     fp32 = k_cache.dtype == torch.float32  # q is cast to the cache dtype in the kernel
-    grid = (cdiv(max_query_len, queries_per_tile), num_kv_heads, num_seqs)
+    tiles = cdiv(max_query_len, queries_per_tile)
+    if num_splits is None:
+        num_splits = choose_prefill_splits(
+            tiles * num_kv_heads * num_seqs, max_context_len, q.device
+        )
+    split = num_splits > 1
+    if split:
+        partial_out = torch.empty(
+            (num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device
+        )
+        partial_lse = torch.empty(
+            (num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device
+        )
+    else:
+        partial_out = partial_lse = out  # unused
+    grid = (tiles * num_splits, num_kv_heads, num_seqs)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -206,6 +318,10 @@ def paged_prefill_attention_triton(
         out.stride(0),
         out.stride(1),
         head_dim,
+        num_splits,
+        partial_out,
+        partial_lse,
+        num_tokens,
         GROUP=group,
         GROUP_PAD=group_pad,
         HEAD_DIM=next_power_of_2(head_dim),
@@ -214,7 +330,25 @@ def paged_prefill_attention_triton(
         BLOCK_N=block_n,
         PRECISION="ieee" if fp32 else "tf32",
         DOT_FP32=dot_needs_fp32(k_cache.dtype),
+        SPLIT=split,
         num_warps=num_warps,
         num_stages=2,
     )
+    if split:
+        head_dim_pad = next_power_of_2(head_dim)
+        _prefill_merge_kernel[(num_tokens, num_heads)](
+            partial_out,
+            partial_lse,
+            query_start_loc,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_tokens,
+            num_seqs,
+            num_splits,
+            head_dim,
+            HEAD_DIM=head_dim_pad,
+            SPLITS=next_power_of_2(num_splits),
+            num_warps=4 if head_dim_pad * num_splits >= 2048 else 2,
+        )
     return out

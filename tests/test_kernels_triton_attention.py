@@ -179,6 +179,30 @@ def test_prefill_small_tiles_and_chunks_equal_whole_prompt():
     torch.testing.assert_close(torch.cat(pieces), whole, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_split_over_keys_equals_one_pass(num_splits, dtype):
+    """Splitting the keys of each tile (a short tail over a long cached prefix) gives the
+    same result; splits past a tile's causal end, a one-query sequence, padding tokens past
+    the batch (not written) and padding sequences with no queries are all covered."""
+    cases = [(70, 6), (45, 1), (33, 33)]
+    q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(
+        cases, 8, 2, 16, 4, dtype, SEED + 11 + num_splits
+    )
+    expected = paged_attention_ref(q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 33, 70)
+    pad_q = torch.cat([q, randn(3, 8, 16, g=gen(12), dtype=dtype)])
+    pad_tables = torch.cat([tables, tables[:1]])
+    pad_lens = torch.cat([ctx_lens, torch.zeros_like(ctx_lens[:1])])
+    pad_qsl = torch.cat([qsl, qsl[-1:]])
+    with poisoned():
+        out = paged_prefill_attention_triton(
+            pad_q, k_cache, v_cache, pad_tables, pad_lens, pad_qsl, 0.25, 36,
+            block_m=16, block_n=16, num_splits=num_splits,
+        )  # fmt: skip
+    check(out[: q.shape[0]], expected, f"prefill over {num_splits} key splits")
+    assert out[q.shape[0] :].isnan().all(), "padding tokens must not be written"
+
+
 # --------------------------------------------------------------------------- realistic (GPU)
 
 QWEN3_4B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
@@ -201,7 +225,9 @@ def test_decode_attention_qwen3_4b_shapes(batch, max_ctx):
 
 
 @gpu_only
-@pytest.mark.parametrize("cases", [[(2048, 2048)], [(4096, 1024), (600, 600), (300, 1)]])
+@pytest.mark.parametrize(
+    "cases", [[(2048, 2048)], [(4096, 1024), (600, 600), (300, 1)], [(4096, 32)], [(16384, 32)]]
+)
 def test_prefill_attention_qwen3_4b_shapes(cases):
     q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(
         cases, **QWEN3_4B, block_size=16, dtype=torch.bfloat16, seed=SEED
