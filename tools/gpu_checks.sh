@@ -46,6 +46,7 @@ bench)
   need_checkpoint
   step bench_latency python3 -m tools.bench_latency --model-path "$ckpt" --out "$out/latency"
   step bench_kernels python3 -m tools.bench_kernels --out "$out/kernels"
+  step tune_linear python3 -m tools.tune_linear --defaults-only --out "$out/linear"
   step bench_throughput python3 -m tools.bench_throughput --model-path "$ckpt" \
     --out "$out/throughput" --hf-baseline
   step bench_prefix_cache python3 -m tools.bench_prefix_cache --model-path "$ckpt" \
