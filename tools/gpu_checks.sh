@@ -39,7 +39,7 @@ tests)
   step gpu_golden python3 -m pytest -v -s -rs -p no:cacheprovider tests/test_gpu_golden.py
   step gpu_tests python3 -m pytest -v -rs -p no:cacheprovider \
     tests/test_model_golden.py tests/test_kernels_triton.py \
-    tests/test_kernels_triton_attention.py \
+    tests/test_kernels_triton_attention.py tests/test_kernels_linear.py \
     tests/test_cuda_graphs.py tests/test_overlap.py tests/test_sampler.py tests/test_worker_logprobs.py
   ;;
 bench)
