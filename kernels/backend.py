@@ -54,12 +54,19 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and _triton_available()
 
 
-def triton_jit(fn: _Fn) -> _Fn:
+def triton_jit(fn: _Fn | None = None, *, do_not_specialize: tuple[str, ...] = ()) -> Any:
     """Mark ``fn`` as a Triton kernel, compiled by ``triton.jit`` at ``load_triton()``.
 
     Its module must define ``tl = None`` at top level (rebound to ``triton.language``) and
     use ``from __future__ import annotations`` so ``tl.constexpr`` is not evaluated early.
+    ``@triton_jit(do_not_specialize=("num_tokens",))`` keeps Triton from compiling a new
+    variant when such an argument turns 1 or a multiple of 16: for arguments that vary from
+    step to step, so that serving never stops to compile.
     """
+    if fn is None:
+        return functools.partial(triton_jit, do_not_specialize=do_not_specialize)
+    if do_not_specialize:
+        fn.__pegainfer_do_not_specialize__ = list(do_not_specialize)  # type: ignore[attr-defined]
     with _lock:
         if _triton is None:
             _pending.append(fn)
@@ -72,7 +79,7 @@ def _bind(fn: Callable[..., Any]) -> Any:
     assert _triton is not None
     scope = fn.__globals__
     scope["tl"] = _triton.language
-    jitted = _triton.jit(fn)
+    jitted = _triton.jit(fn, do_not_specialize=getattr(fn, "__pegainfer_do_not_specialize__", None))
     scope[fn.__name__] = jitted
     return jitted
 

@@ -40,7 +40,7 @@ tl = None  # bound to triton.language by kernels.backend.load_triton()
 LOG2_E = 1.4426950408889634
 
 
-@triton_jit
+@triton_jit(do_not_specialize=("num_splits", "num_tokens"))
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -169,7 +169,7 @@ def _prefill_kernel(
             )
 
 
-@triton_jit
+@triton_jit(do_not_specialize=("num_tokens", "num_seqs", "num_splits"))
 def _prefill_merge_kernel(
     partial_out_ptr,
     partial_lse_ptr,
@@ -348,7 +348,7 @@ def paged_prefill_attention_triton(
             num_splits,
             head_dim,
             HEAD_DIM=head_dim_pad,
-            SPLITS=next_power_of_2(num_splits),
-            num_warps=4 if head_dim_pad * num_splits >= 2048 else 2,
+            SPLITS=next_power_of_2(MAX_SPLITS),  # one compiled variant for every count
+            num_warps=4,
         )
     return out
