@@ -3,8 +3,8 @@
 At decode batch sizes a linear layer reads the whole weight to produce a handful of rows,
 so its speed is the weight's bytes over the memory bandwidth. Two Triton kernels cover it:
 
-- ``_gemv_kernel`` (one row of ``x`` per program column): each program owns ``BLOCK_N``
-  output features, streams their weight rows in ``BLOCK_K`` chunks and keeps a float32
+- ``_gemv_kernel`` (CUDA cores): each program owns ``BLOCK_N`` output features of
+  ``BLOCK_M`` rows, streams their weight rows in ``BLOCK_K`` chunks and keeps a float32
   partial product per element, reduced once at the end. Small ``BLOCK_N`` gives thousands
   of programs, enough loads in flight to saturate HBM with no split over K.
 - ``_skinny_gemm_kernel`` (``tl.dot`` on ``BLOCK_M`` rows padded to at least 16): several
@@ -36,16 +36,21 @@ tl = None  # bound to triton.language by kernels.backend.load_triton()
 
 @dataclass(frozen=True)
 class LinearConfig:
-    """One launch shape. ``kind`` is "gemv" or "dot"; ``block_m`` and ``split_k`` apply to
-    "dot" only."""
+    """One launch shape. ``kind`` is "gemv" (``block_m`` rows per program, any power of
+    two) or "dot" (``block_m`` at least 16, for ``tl.dot``); ``split_k`` applies to "dot"
+    only."""
 
     kind: str
     block_n: int
     block_k: int
     num_warps: int
-    block_m: int = 16
+    block_m: int = 1
     split_k: int = 1
     num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.kind == "dot" and self.block_m < 16:
+            raise ValueError(f"a dot tile needs at least 16 rows, got {self.block_m}")
 
 
 def linear_ref(
@@ -60,41 +65,49 @@ def _gemv_kernel(
     w_ptr,
     bias_ptr,
     out_ptr,
+    M,
     N,
     K,
     stride_x_row,
     stride_w_row,
     stride_out_row,
     HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    # Rows of x vary fastest, so the programs sharing a weight tile run side by side and the
-    # second reads it from L2.
-    row = tl.program_id(0).to(tl.int64)
+    # Row tiles vary fastest, so programs sharing a weight tile run side by side and all but
+    # the first read it from L2. Within a program every row uses each weight tile loaded.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     features = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
     feature_mask = features < N
-    # Clamped rather than masked: out-of-range features re-read a valid row, never stored.
+    # Clamped rather than masked: out-of-range rows and features re-read valid ones and
+    # are never stored.
+    safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
     safe_features = tl.where(feature_mask, features, 0).to(tl.int64)
     w_rows = w_ptr + safe_features[:, None] * stride_w_row
-    x_row = x_ptr + row * stride_x_row
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    x_rows = x_ptr + safe_rows[:, None] * stride_x_row
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_rows + ks[None, :])
-            x = tl.load(x_row + ks)
+            x = tl.load(x_rows + ks[None, :])
         else:
             k_mask = ks < K
             w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
-            x = tl.load(x_row + ks, mask=k_mask, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
+            x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, axis=2)
     if HAS_BIAS:
-        y += tl.load(bias_ptr + safe_features).to(tl.float32)
+        y += tl.load(bias_ptr + safe_features).to(tl.float32)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * stride_out_row + features[None, :]
     tl.store(
-        out_ptr + row * stride_out_row + features, y.to(out_ptr.dtype.element_ty), feature_mask
+        out_ptr + offsets,
+        y.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & feature_mask[None, :],
     )
 
 
@@ -185,18 +198,20 @@ def linear_triton(
         out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
         if num_rows == 0:
             return out
-        grid = (num_rows, cdiv(n, config.block_n))
+        grid = (cdiv(num_rows, config.block_m), cdiv(n, config.block_n))
         _gemv_kernel[grid](
             x,
             weight,
             bias if has_bias else x,
             out,
+            num_rows,
             n,
             k,
             x.stride(0),
             weight.stride(0),
             out.stride(0),
             HAS_BIAS=has_bias,
+            BLOCK_M=config.block_m,
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
             EVEN_K=k % config.block_k == 0,

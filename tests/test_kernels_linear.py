@@ -19,6 +19,8 @@ DTYPES = [torch.bfloat16, torch.float16]
 GEMV = [
     LinearConfig("gemv", block_n=4, block_k=64, num_warps=2),
     LinearConfig("gemv", block_n=1, block_k=128, num_warps=1),
+    LinearConfig("gemv", block_n=2, block_k=64, num_warps=2, block_m=2),
+    LinearConfig("gemv", block_n=4, block_k=32, num_warps=4, block_m=8),
 ]
 DOT = [
     LinearConfig("dot", block_n=32, block_k=32, num_warps=4, block_m=16),
@@ -39,7 +41,9 @@ def _inputs(rows: int, n: int, k: int, dtype: torch.dtype, offset: int, bias: bo
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", GEMV + DOT, ids=lambda c: f"{c.kind}-n{c.block_n}-s{c.split_k}")
+@pytest.mark.parametrize(
+    "config", GEMV + DOT, ids=lambda c: f"{c.kind}-m{c.block_m}-n{c.block_n}-s{c.split_k}"
+)
 @pytest.mark.parametrize("rows,n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_reference(dtype, config, rows, n, k, bias):

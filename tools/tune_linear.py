@@ -44,11 +44,12 @@ def candidates(rows: int) -> list[Any]:
 
     found = []
     if rows <= 8:
+        block_m = 1 << (rows - 1).bit_length()
         for block_n, block_k, warps in itertools.product(
-            (1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)
+            (1, 2, 4, 8, 16), (128, 256, 512, 1024, 2048), (2, 4, 8)
         ):
-            if block_n * block_k <= 4096 * warps and block_k >= 32 * warps:
-                found.append(LinearConfig("gemv", block_n, block_k, warps))
+            if block_m * block_n * block_k <= 4096 * warps and block_k >= 32 * warps:
+                found.append(LinearConfig("gemv", block_n, block_k, warps, block_m))
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     for block_n, block_k, stages, split_k in itertools.product(
         (32, 64, 128), (64, 128, 256), (3, 5), (1, 2, 4, 8)
