@@ -26,7 +26,7 @@ def pick_config(num_rows: int, n: int, k: int) -> LinearConfig:
     if num_rows <= 2:
         if num_rows == 1:
             block_k = 1024 if k >= 4096 else 512
-            block_n = 4 if n >= 16384 else 2
+            block_n = 2 if block_k == 1024 else 4
         else:
             block_k, block_n = 512, 4
         warps = 4 if block_k >= 1024 else 2
