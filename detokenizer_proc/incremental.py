@@ -18,9 +18,15 @@ never extends a complete character, so the deltas join up to exactly the full de
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer
+from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
+
+
+class TextDecoder(Protocol):
+    """A tokenizer, or anything that decodes ids as one does."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class IncrementalDetokenizer:
@@ -28,7 +34,7 @@ class IncrementalDetokenizer:
 
     __slots__ = ("tokenizer", "skip_special_tokens", "token_ids", "prefix_offset", "read_offset")
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: TextDecoder, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []

@@ -21,9 +21,9 @@ from collections import OrderedDict
 import zmq
 from tokenizers import Tokenizer
 
+from detokenizer_proc.decoders import TokenDecoder, decoder_for
 from detokenizer_proc.incremental import IncrementalDetokenizer
 from detokenizer_proc.stop_strings import StopStringMatcher
-from detokenizer_proc.token_bytes import TokenBytes
 from pegainfer import ipc
 from pegainfer.process import child_args, init_child, report_ready
 from pegainfer.protocol import (
@@ -53,8 +53,8 @@ class RequestText:
 
     __slots__ = ("detokenizer", "matcher", "min_tokens")
 
-    def __init__(self, tokenizer: Tokenizer, sampling: SamplingParams) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer, sampling.skip_special_tokens)
+    def __init__(self, decoder: TokenDecoder, sampling: SamplingParams) -> None:
+        self.detokenizer = IncrementalDetokenizer(decoder, sampling.skip_special_tokens)
         self.matcher = (
             StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
             if sampling.stop
@@ -69,7 +69,7 @@ class RequestText:
         text = self.detokenizer.update(token_ids, finished=finished)
         if self.matcher is None:
             return text, None
-        # As in vLLM, stop strings count only once min_tokens tokens exist.
+        # Stop strings count only once min_tokens tokens exist.
         emitted, matched = self.matcher.feed(text, check=num_output_tokens >= self.min_tokens)
         if finished and matched is None:
             emitted += self.matcher.flush()
@@ -79,9 +79,9 @@ class RequestText:
 class Detokenizer:
     """Text state of every unfinished request; pure logic, no sockets."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.token_bytes = TokenBytes(tokenizer)
+    def __init__(self, tokenizer: Tokenizer | TokenDecoder) -> None:
+        # A tokenizer is swapped for the lightest decoder that decodes exactly like it.
+        self.decoder = decoder_for(tokenizer)
         self._states: dict[str, RequestText] = {}
         self._stopped: OrderedDict[str, None] = OrderedDict()
         self._aborts: list[str] = []
@@ -124,7 +124,7 @@ class Detokenizer:
         valid_ids = [token_id for token_id in token_ids if token_id >= 0]
         state = self._states.get(request_id)
         if state is None:
-            state = RequestText(self.tokenizer, output.sampling or _DEFAULT_SAMPLING)
+            state = RequestText(self.decoder, output.sampling or _DEFAULT_SAMPLING)
             self._states[request_id] = state
         try:
             text, matched = state.update(valid_ids, output.completion_tokens, finished)
@@ -167,12 +167,18 @@ class Detokenizer:
         except ProtocolError as exc:
             logger.warning("dropped malformed logprobs: %s", exc)
             return None
-        logprobs.token_bytes = self.token_bytes.many(ids)
+        logprobs.token_bytes = self.decoder.token_bytes(ids)
         return logprobs
 
 
 def load_tokenizer(model_path: str) -> Tokenizer:
     return Tokenizer.from_file(os.path.join(model_path, "tokenizer.json"))
+
+
+def load_decoder(model_path: str) -> TokenDecoder:
+    """The model's decoder; the tokenizer it was built from is dropped when the byte table
+    replaces it (report_ready then hands the freed heap back)."""
+    return decoder_for(load_tokenizer(model_path))
 
 
 def run(
@@ -197,13 +203,14 @@ def main() -> None:
     args = child_args("pegainfer detokenizer")
     config = init_child(NAME, args.run_dir)
     try:
-        tokenizer = load_tokenizer(config.model_path)
+        decoder = load_decoder(config.model_path)
     except Exception as exc:  # tokenizers raises its own exception type for a bad file
         logger.error("cannot load the tokenizer from %s: %s", config.model_path, exc)
         sys.exit(1)
+    logger.info("decoding with %s", type(decoder).__name__)
     ctx = zmq.Context()
     inbound = ipc.bind(ctx, zmq.PULL, args.run_dir, NAME)
     frontend = ipc.connect(ctx, zmq.PUSH, args.run_dir, "frontend")
     scheduler = ipc.connect(ctx, zmq.PUSH, args.run_dir, "scheduler")
     report_ready(ctx, args.run_dir, NAME)
-    run(Detokenizer(tokenizer), inbound, frontend, scheduler)
+    run(Detokenizer(decoder), inbound, frontend, scheduler)

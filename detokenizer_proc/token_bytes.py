@@ -14,7 +14,7 @@ import re
 from tokenizers import Tokenizer
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-_SPIECE_SPACE = "\u2581"
+SPIECE_SPACE = "\u2581"
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -34,7 +34,7 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {chr(code): byte for byte, code in zip(printable, codes)}
 
 
-_BYTE_LEVEL = _byte_level_alphabet()
+BYTE_LEVEL = _byte_level_alphabet()
 
 
 class TokenBytes:
@@ -66,11 +66,11 @@ class TokenBytes:
         piece = self.tokenizer.id_to_token(token_id) if token_id >= 0 else None
         if piece is None:
             return b""
-        if self._byte_level and all(char in _BYTE_LEVEL for char in piece):
-            return bytes(_BYTE_LEVEL[char] for char in piece)
+        if self._byte_level and all(char in BYTE_LEVEL for char in piece):
+            return bytes(BYTE_LEVEL[char] for char in piece)
         match = _BYTE_TOKEN.fullmatch(piece)
         if match:
             return bytes([int(match.group(1), 16)])
-        if _SPIECE_SPACE in piece:
-            return piece.replace(_SPIECE_SPACE, " ").encode("utf-8")
+        if SPIECE_SPACE in piece:
+            return piece.replace(SPIECE_SPACE, " ").encode("utf-8")
         return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")

@@ -16,7 +16,6 @@ from aiohttp import web
 from frontend_proc.app import create_app
 from frontend_proc.engine_client import EngineClient
 from frontend_proc.server_state import ServerState, start_drain
-from frontend_proc.tokenizer_proc import load_preprocessor
 from pegainfer.config import EngineConfig
 from pegainfer.process import child_args, init_child, report_ready
 
@@ -30,13 +29,9 @@ async def serve(config: EngineConfig, run_dir: str) -> None:
     state = ServerState.from_config(config)
     engine.on_drain = lambda timeout: start_drain(state, engine, timeout)
     engine.start()
-    try:
-        # For /tokenize and /detokenize, and to know whether the model thinks in <think>.
-        preprocessor = load_preprocessor(config)
-    except Exception as exc:  # noqa: BLE001 - generation works without it
-        logger.warning("no tokenizer in the frontend (/tokenize is off): %s", exc)
-        preprocessor = None
-    app = create_app(config, engine, preprocessor, state)
+    # No tokenizer here: /tokenize and /detokenize are calls to the tokenizer processes, and
+    # the launcher learned from them whether the model reasons in <think> blocks.
+    app = create_app(config, engine, state=state, reasoning=config.reasoning, tokenizer=engine)
     # handler_cancellation: a client that disconnects cancels its handler, whose cleanup then
     # aborts its requests in the engine.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -18,18 +18,21 @@ from frontend_proc import jsonutil, routes_misc
 from frontend_proc.engine_client import EngineClientProtocol
 from frontend_proc.errors import INVALID_REQUEST, SERVER_ERROR, APIError, error_body, invalid
 from frontend_proc.gate import make_gate, retry_after
-from frontend_proc.preprocess import Preprocessor
 from frontend_proc.server_state import ServerState
 from frontend_proc.serving_chat import create_chat_completion
 from frontend_proc.serving_common import ServingContext, json_response
 from frontend_proc.serving_completions import create_completion
+from frontend_proc.tokenizer_calls import InProcessTokenizer, TokenizerService
 from pegainfer.config import EngineConfig
+
+if TYPE_CHECKING:
+    from frontend_proc.preprocess import Preprocessor
 
 logger = logging.getLogger(__name__)
 
 CONTEXT_KEY = web.AppKey("serving_context", ServingContext)
 STATE_KEY = web.AppKey("server_state", ServerState)
-PREPROCESSOR_KEY = web.AppKey("preprocessor", object)
+TOKENIZER_KEY = web.AppKey("tokenizer", object)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -105,14 +108,12 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     body = await read_json(request)
-    return await routes_misc.tokenize(request.app[CONTEXT_KEY], request.app[PREPROCESSOR_KEY], body)
+    return await routes_misc.tokenize(request.app[CONTEXT_KEY], request.app[TOKENIZER_KEY], body)
 
 
 async def detokenize(request: web.Request) -> web.Response:
     body = await read_json(request)
-    return await routes_misc.detokenize(
-        request.app[CONTEXT_KEY], request.app[PREPROCESSOR_KEY], body
-    )
+    return await routes_misc.detokenize(request.app[CONTEXT_KEY], request.app[TOKENIZER_KEY], body)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -131,9 +132,12 @@ def create_app(
     preprocessor: Preprocessor | None = None,
     state: ServerState | None = None,
     reasoning: bool | None = None,
+    tokenizer: TokenizerService | None = None,
 ) -> web.Application:
-    """``preprocessor`` serves /tokenize and /detokenize and tells whether the model
-    reasons in ``<think>`` blocks (``reasoning`` overrides that)."""
+    """``tokenizer`` serves /tokenize and /detokenize (the server passes its engine client,
+    which asks the tokenizer processes). A ``preprocessor`` instead serves them in this
+    process, and tells whether the model reasons in ``<think>`` blocks (``reasoning``
+    overrides that)."""
     max_model_len = config.max_model_len
     if max_model_len <= 0 and config.model is not None:
         max_model_len = config.model.max_position_embeddings
@@ -144,15 +148,18 @@ def create_app(
     )
     if reasoning is None:
         reasoning = preprocessor is not None and preprocessor.reasons_in_think_blocks()
+    if tokenizer is None and preprocessor is not None:
+        tokenizer = InProcessTokenizer(preprocessor)
     app[CONTEXT_KEY] = ServingContext(
         served_model_name=config.served_model_name,
         model_path=config.model_path,
         max_model_len=max_model_len,
         engine=engine,
         reasoning=reasoning,
+        vocab_size=config.model.vocab_size if config.model is not None else None,
     )
     app[STATE_KEY] = state
-    app[PREPROCESSOR_KEY] = preprocessor
+    app[TOKENIZER_KEY] = tokenizer
     app.router.add_get("/health", health)
     app.router.add_get("/ping", health)
     app.router.add_get("/version", version)

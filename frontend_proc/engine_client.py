@@ -5,6 +5,10 @@ aborts go straight to the scheduler. One background task reads the ``frontend`` 
 hands each TextDelta or RequestRejected to the queue of its request id. Output for an id with
 no queue (an aborted request's last step) is dropped.
 
+/tokenize and /detokenize are calls to the tokenizers over the same sockets: a
+TokenizeRequest or DetokenizeRequest goes out like a request, and its one answer (a result or
+a RequestRejected) comes back on the ``frontend`` socket to the future of its id.
+
 The same socket brings the scheduler's EngineStats (for /metrics and the waiting-queue limit)
 and the launcher's Drain and EngineDead. After EngineDead every request in flight fails at
 once with a 503, and so does every new one: nothing waits on an engine that is gone.
@@ -21,11 +25,13 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from frontend_proc.errors import SERVER_ERROR, APIError
+from frontend_proc.errors import SERVER_ERROR, APIError, invalid
 from frontend_proc.metrics import RequestMetrics
 from pegainfer import ipc
 from pegainfer.protocol import (
     AbortRequests,
+    DetokenizeRequest,
+    DetokenizeResult,
     Drain,
     Drained,
     EngineDead,
@@ -34,12 +40,32 @@ from pegainfer.protocol import (
     RequestRejected,
     TextDelta,
     TextOutputs,
+    TokenizeRequest,
+    TokenizeResult,
     unpack_ids,
 )
 
 logger = logging.getLogger(__name__)
 
-_INBOUND = (TextOutputs, RequestRejected, EngineStats, Drain, EngineDead)
+_INBOUND = (
+    TextOutputs,
+    RequestRejected,
+    EngineStats,
+    Drain,
+    EngineDead,
+    TokenizeResult,
+    DetokenizeResult,
+)
+_Inbound = (
+    TextOutputs
+    | RequestRejected
+    | EngineStats
+    | Drain
+    | EngineDead
+    | TokenizeResult
+    | DetokenizeResult
+)
+_CallAnswer = TokenizeResult | DetokenizeResult | RequestRejected
 
 
 class EngineClientProtocol(Protocol):
@@ -78,6 +104,7 @@ class EngineClient:
         self._inbound = ipc.bind(self._async_ctx, zmq.PULL, run_dir, "frontend")
         self._queues: dict[str, asyncio.Queue[TextDelta | RequestRejected | _Failure]] = {}
         self._unstarted: set[str] = set()  # sent, no output yet
+        self._calls: dict[str, asyncio.Future[_CallAnswer | _Failure]] = {}  # tokenizer calls
         self._receiver: asyncio.Task[None] | None = None
         self.metrics = RequestMetrics()
         self.stats: EngineStats | None = None
@@ -132,9 +159,7 @@ class EngineClient:
             except Exception:  # noqa: BLE001 - the receiver must outlive any one message
                 logger.exception("could not dispatch a %s", type(msg).__name__)
 
-    def dispatch(
-        self, msg: TextOutputs | RequestRejected | EngineStats | Drain | EngineDead
-    ) -> None:
+    def dispatch(self, msg: _Inbound) -> None:
         if isinstance(msg, EngineStats):
             self.stats = msg
             self.stats_time = time.monotonic()
@@ -145,6 +170,13 @@ class EngineClient:
         if isinstance(msg, Drain):
             if self.on_drain is not None:
                 self.on_drain(msg.timeout)
+            return
+        if isinstance(msg, (TokenizeResult, DetokenizeResult)) or (
+            isinstance(msg, RequestRejected) and msg.request_id in self._calls
+        ):
+            call = self._calls.get(msg.request_id)
+            if call is not None and not call.done():
+                call.set_result(msg)
             return
         items: list[TextDelta] | list[RequestRejected] = (
             msg.outputs if isinstance(msg, TextOutputs) else [msg]
@@ -162,6 +194,9 @@ class EngineClient:
         error = engine_dead_error(reason)
         for queue in self._queues.values():
             queue.put_nowait(_Failure(error))
+        for call in self._calls.values():
+            if not call.done():
+                call.set_result(_Failure(error))
 
     def send_drained(self, num_finished: int, num_aborted: int) -> None:
         try:
@@ -202,6 +237,41 @@ class EngineClient:
         finally:
             self._queues.pop(request_id, None)
             self._unstarted.discard(request_id)
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
+        answer = await self._call_tokenizer(request)
+        assert isinstance(answer, TokenizeResult)
+        return answer
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResult:
+        answer = await self._call_tokenizer(request)
+        assert isinstance(answer, DetokenizeResult)
+        return answer
+
+    async def _call_tokenizer(
+        self, request: TokenizeRequest | DetokenizeRequest
+    ) -> TokenizeResult | DetokenizeResult:
+        """Send one call to a tokenizer and wait for its answer; a rejection raises APIError."""
+        request_id = request.request_id
+        if self.dead_reason is not None:
+            raise engine_dead_error(self.dead_reason)
+        if request_id in self._calls:
+            raise APIError(500, f"request id {request_id} is already in flight", SERVER_ERROR)
+        call: asyncio.Future[_CallAnswer | _Failure] = asyncio.get_running_loop().create_future()
+        self._calls[request_id] = call
+        try:
+            try:
+                ipc.send(self._to_tokenizers, request)
+            except (ValueError, TypeError, OverflowError) as exc:  # msgpack refused the body
+                raise invalid(f"the request cannot be passed to the tokenizer: {exc}") from None
+            answer = await call
+        finally:
+            self._calls.pop(request_id, None)
+        if isinstance(answer, _Failure):
+            raise answer.error
+        if isinstance(answer, RequestRejected):
+            raise APIError.from_rejection(answer)
+        return answer
 
     def abort(self, request_ids: list[str]) -> None:
         if not request_ids:

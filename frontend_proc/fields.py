@@ -116,6 +116,18 @@ def get_int_list(body: dict[str, Any], name: str, lo: int = 0, hi: int = MAX_INT
     return list(value)
 
 
+def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
+    """Every id must name a token; without a known vocabulary, it must at least be packable
+    as int32 (ids travel packed)."""
+    hi = vocab_size if vocab_size is not None else MAX_INT32 + 1
+    if not ids or (min(ids) >= 0 and max(ids) < hi):
+        return
+    for token_id in ids:
+        if token_id < 0 or token_id >= hi:
+            size = f" (the vocabulary has {vocab_size} ids)" if vocab_size is not None else ""
+            raise invalid(f"token id {token_id} is out of vocabulary{size}", param)
+
+
 def get_stop(body: dict[str, Any]) -> list[str]:
     value = body.get("stop")
     if value is None:

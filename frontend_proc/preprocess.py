@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from frontend_proc.chat_template import ChatTemplate
 from frontend_proc.errors import SERVER_ERROR, APIError, invalid
+from frontend_proc.fields import check_token_ids
 from pegainfer.protocol import (
     GenerateRequest,
     ProtocolError,
@@ -26,15 +27,6 @@ FILL_CONTEXT = -1  # max_tokens meaning "whatever the context window has left"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 logger = logging.getLogger(__name__)
-
-
-def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    for token_id in ids:
-        if token_id < 0 or token_id >= vocab_size:
-            raise invalid(
-                f"token id {token_id} is out of vocabulary (the vocabulary has {vocab_size} ids)",
-                param,
-            )
 
 
 def resolve_max_tokens(

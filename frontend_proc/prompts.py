@@ -16,6 +16,10 @@ _SHAPE = "'prompt' must be a string, a list of strings, a list of token ids or a
 def _token_ids(value: list[Any]) -> list[int]:
     if not value:
         raise invalid("'prompt' holds an empty list of token ids", "prompt")
+    # Long id prompts (a cached document, say) arrive often: check them in C (one pass for
+    # the types, min and max for the range), and only walk them item by item to name an error.
+    if set(map(type, value)) == {int} and min(value) >= 0 and max(value) <= MAX_INT32:
+        return list(value)
     for item in value:
         if not is_int(item):
             raise invalid(_SHAPE, "prompt")

@@ -1,9 +1,8 @@
-"""The endpoints around generation: /health, /version, /metrics, /v1/models/{id}, and vLLM's
-/tokenize and /detokenize (served from a tokenizer the frontend loads itself)."""
+"""The endpoints around generation: /health, /version, /metrics, /v1/models/{id}, and
+/tokenize and /detokenize (answered by a tokenizer process: the frontend loads no tokenizer)."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
 from typing import Any
 
@@ -11,14 +10,12 @@ from aiohttp import web
 
 from frontend_proc import metrics
 from frontend_proc.errors import SERVER_ERROR, APIError, error_body, invalid, model_not_found
-from frontend_proc.fields import get_bool, get_object, get_str
+from frontend_proc.fields import check_token_ids, get_bool, get_object, get_str
 from frontend_proc.messages import parse_messages
-from frontend_proc.preprocess import Preprocessor, check_token_ids
 from frontend_proc.server_state import ServerState, dead_reason
-from frontend_proc.serving_common import ServingContext, json_response
-
-# Inputs larger than this are tokenized off the event loop.
-_INLINE_TOKENIZE_CHARS = 32_768
+from frontend_proc.serving_common import ServingContext, json_response, new_request_id
+from frontend_proc.tokenizer_calls import TokenizerService
+from pegainfer.protocol import DetokenizeRequest, TokenizeRequest, pack_ids, unpack_ids
 
 
 def model_card(ctx: ServingContext) -> dict[str, Any]:
@@ -75,10 +72,10 @@ def get_model(ctx: ServingContext, model: str) -> web.Response:
     return json_response(model_card(ctx))
 
 
-def _require_tokenizer(preprocessor: Preprocessor | None) -> Preprocessor:
-    if preprocessor is None:
-        raise APIError(501, "this server has no tokenizer loaded in its frontend", SERVER_ERROR)
-    return preprocessor
+def _require_tokenizer(tokenizer: TokenizerService | None) -> TokenizerService:
+    if tokenizer is None:
+        raise APIError(501, "this server has no tokenizer to serve this endpoint", SERVER_ERROR)
+    return tokenizer
 
 
 def _check_model(body: dict[str, Any], ctx: ServingContext) -> None:
@@ -87,46 +84,57 @@ def _check_model(body: dict[str, Any], ctx: ServingContext) -> None:
         raise model_not_found(model)
 
 
-def _tokenize_sync(preprocessor: Preprocessor, body: dict[str, Any]) -> list[int]:
+def tokenize_request(body: dict[str, Any]) -> TokenizeRequest:
+    """The tokenizer call for a /tokenize body; a malformed body raises APIError."""
+    messages = None
+    prompt = None
+    chat_template_kwargs: dict[str, Any] = {}
+    add_generation_prompt = True
     if body.get("messages") is not None:
         messages = parse_messages(body["messages"])
-        kwargs = get_object(body, "chat_template_kwargs") or {}
-        text = preprocessor.render_chat(
-            messages, get_bool(body, "add_generation_prompt", True), dict(kwargs)
-        )
+        chat_template_kwargs = dict(get_object(body, "chat_template_kwargs") or {})
+        add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+        # The template writes every special token the model expects.
         add_special = get_bool(body, "add_special_tokens", False)
-        return preprocessor.tokenizer.encode(text, add_special_tokens=add_special).ids
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-        raise invalid("'prompt' (a string) or 'messages' is required", "prompt")
-    add_special = get_bool(body, "add_special_tokens", True)
-    return preprocessor.tokenizer.encode(prompt, add_special_tokens=add_special).ids
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise invalid("'prompt' (a string) or 'messages' is required", "prompt")
+        add_special = get_bool(body, "add_special_tokens", True)
+    return TokenizeRequest(
+        request_id=new_request_id("tokenize"),
+        prompt=prompt,
+        messages=messages,
+        chat_template_kwargs=chat_template_kwargs,
+        add_generation_prompt=add_generation_prompt,
+        add_special_tokens=add_special,
+        return_token_strs=get_bool(body, "return_token_strs", False),
+    )
 
 
 async def tokenize(
-    ctx: ServingContext, preprocessor: Preprocessor | None, body: Any
+    ctx: ServingContext, tokenizer: TokenizerService | None, body: Any
 ) -> web.Response:
-    preprocessor = _require_tokenizer(preprocessor)
+    tokenizer = _require_tokenizer(tokenizer)
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     _check_model(body, ctx)
-    size = len(str(body.get("prompt") or "")) + len(str(body.get("messages") or ""))
-    if size > _INLINE_TOKENIZE_CHARS:
-        ids = await asyncio.to_thread(_tokenize_sync, preprocessor, body)
-    else:
-        ids = _tokenize_sync(preprocessor, body)
-    result: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
-    if get_bool(body, "return_token_strs", False):
-        result["token_strs"] = [preprocessor.tokenizer.id_to_token(i) for i in ids]
-    else:
-        result["token_strs"] = None
-    return json_response(result)
+    result = await tokenizer.tokenize(tokenize_request(body))
+    ids = unpack_ids(result.token_ids)
+    return json_response(
+        {
+            "count": len(ids),
+            "max_model_len": ctx.max_model_len,
+            "tokens": ids,
+            "token_strs": result.token_strs,
+        }
+    )
 
 
 async def detokenize(
-    ctx: ServingContext, preprocessor: Preprocessor | None, body: Any
+    ctx: ServingContext, tokenizer: TokenizerService | None, body: Any
 ) -> web.Response:
-    preprocessor = _require_tokenizer(preprocessor)
+    tokenizer = _require_tokenizer(tokenizer)
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     _check_model(body, ctx)
@@ -135,6 +143,8 @@ async def detokenize(
         isinstance(t, int) and not isinstance(t, bool) for t in tokens
     ):
         raise invalid("'tokens' must be a list of token ids", "tokens")
-    check_token_ids(tokens, preprocessor.vocab_size, "tokens")
-    text = preprocessor.tokenizer.decode(tokens, skip_special_tokens=False)
-    return json_response({"prompt": text})
+    # Checked here as well as by the tokenizer process: every id sent must fit int32.
+    check_token_ids(tokens, ctx.vocab_size, "tokens")
+    request = DetokenizeRequest(request_id=new_request_id("detokenize"), token_ids=pack_ids(tokens))
+    result = await tokenizer.detokenize(request)
+    return json_response({"prompt": result.text})

@@ -38,6 +38,7 @@ class ServingContext:
     engine: EngineClientProtocol
     created: int = field(default_factory=lambda: int(time.time()))
     reasoning: bool = False  # split <think> blocks into reasoning_content
+    vocab_size: int | None = None  # the model's, when the config names it
 
 
 @dataclass

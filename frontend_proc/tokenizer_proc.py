@@ -1,7 +1,8 @@
 """The tokenizer process: ``python -m frontend_proc.tokenizer_proc --run-dir DIR --index I``.
 
 It pulls GenerateRequests that the frontend pushes round-robin, renders and tokenizes them,
-and sends each on to the scheduler, or back to the frontend as a RequestRejected.
+and sends each on to the scheduler, or back to the frontend as a RequestRejected. It also
+answers the frontend's /tokenize and /detokenize calls (the frontend loads no tokenizer).
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from tokenizers import Tokenizer
 from frontend_proc.chat_template import ChatTemplate
 from frontend_proc.errors import SERVER_ERROR, APIError
 from frontend_proc.preprocess import Preprocessor, handle
+from frontend_proc.tokenizer_calls import answer
 from pegainfer import ipc
 from pegainfer.config import EngineConfig
 from pegainfer.process import child_args, init_child, report_ready
-from pegainfer.protocol import GenerateRequest, RequestRejected
+from pegainfer.protocol import DetokenizeRequest, GenerateRequest, RequestRejected, TokenizeRequest
 
 logger = logging.getLogger(__name__)
+
+ACCEPTED = (GenerateRequest, TokenizeRequest, DetokenizeRequest)
 
 
 def load_preprocessor(config: EngineConfig) -> Preprocessor:
@@ -47,19 +51,24 @@ def main() -> None:
     to_scheduler = ipc.connect(ctx, zmq.PUSH, args.run_dir, "scheduler")
     to_frontend = ipc.connect(ctx, zmq.PUSH, args.run_dir, "frontend")
     preprocessor = load_preprocessor(config)
-    report_ready(ctx, args.run_dir, name, vocab_size=preprocessor.vocab_size)
+    # The launcher passes "reasoning" on to the frontend, which has no tokenizer to tell.
+    reasoning = preprocessor.reasons_in_think_blocks()
+    report_ready(ctx, args.run_dir, name, vocab_size=preprocessor.vocab_size, reasoning=reasoning)
     logger.info("ready: max_model_len=%d", preprocessor.max_model_len)
     while True:
-        request = ipc.recv(requests, (GenerateRequest,), name)
+        request = ipc.recv(requests, ACCEPTED, name)
         if request is None:
             continue
-        outcome = handle(preprocessor, request)
+        if isinstance(request, GenerateRequest):
+            outcome = handle(preprocessor, request)
+            forward_to_scheduler = not isinstance(outcome, RequestRejected)
+        else:  # a /tokenize or /detokenize call: the answer goes back to the frontend
+            outcome = answer(preprocessor, request)
+            forward_to_scheduler = False
         try:
             if isinstance(outcome, RequestRejected):
                 logger.debug("rejected %s: %s", request.request_id, outcome.message)
-                ipc.send(to_frontend, outcome)
-            else:
-                ipc.send(to_scheduler, outcome)
+            ipc.send(to_scheduler if forward_to_scheduler else to_frontend, outcome)
         except Exception:  # noqa: BLE001 - an unsendable request must not stop the process
             logger.exception("could not forward request %s", request.request_id)
             error = APIError(500, "internal error while forwarding the request", SERVER_ERROR)

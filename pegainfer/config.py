@@ -52,6 +52,8 @@ class EngineConfig:
     log_level: str = "info"
     run_dir: str = ""
     num_kv_blocks: int = 0  # set by the launcher: the fewest any worker rank reported
+    # Set by the launcher from tokenizer-0's report: the model writes <think> blocks.
+    reasoning: bool = False
     model: ModelInfo | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     # Several hosts (see pegainfer/multinode.py): node 0 runs the tree, node k > 0 is

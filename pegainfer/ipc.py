@@ -8,13 +8,15 @@ connect before the PULL binds, so processes can start in any order.
 |---------------|------------------------|-------------------------------------------|
 | launcher      | launcher               | every child: ProcessReady; frontend:      |
 |               |                        | Drained; scheduler: WatchdogAlarm         |
-| tokenizer     | frontend binds a PUSH  | tokenizers connect PULL: GenerateRequest  |
+| tokenizer     | frontend binds a PUSH  | tokenizers connect PULL: GenerateRequest, |
+|               |                        | TokenizeRequest, DetokenizeRequest        |
 | scheduler     | scheduler              | tokenizers, frontend, worker rank 0,      |
 |               |                        | detokenizer (aborts on stop strings)      |
 | worker-{rank} | worker rank            | scheduler: StepPlan                       |
 | detokenizer   | detokenizer            | scheduler: TokenOutputs                   |
-| frontend      | frontend               | detokenizer, tokenizers, scheduler,       |
-|               |                        | launcher (Drain, EngineDead)              |
+| frontend      | frontend               | detokenizer, tokenizers (also answers to  |
+|               |                        | /tokenize calls), scheduler, launcher     |
+|               |                        | (Drain, EngineDead)                       |
 | tap-{process} | every child (PUB)      | a copy of every message the process sends |
 
 The tap sockets let ``pegainfer tap`` watch the traffic of a running instance. A PUB socket
@@ -46,7 +48,8 @@ SOCKET_TABLE: list[dict[str, str]] = [
         "name": "tokenizer",
         "bound_by": "frontend",
         "pattern": "PUSH",
-        "carries": "GenerateRequest (round-robin to tokenizers)",
+        "carries": "GenerateRequest, TokenizeRequest, DetokenizeRequest (round-robin to "
+        "tokenizers)",
     },
     {
         "name": "scheduler",
@@ -65,7 +68,8 @@ SOCKET_TABLE: list[dict[str, str]] = [
         "name": "frontend",
         "bound_by": "frontend",
         "pattern": "PULL",
-        "carries": "TextOutputs, RequestRejected, EngineStats, Drain, EngineDead",
+        "carries": "TextOutputs, RequestRejected, EngineStats, Drain, EngineDead, "
+        "TokenizeResult, DetokenizeResult",
     },
     {
         "name": "tap-{process}",

@@ -141,6 +141,9 @@ class ProcessTree:
         self.spawn("scheduler", "scheduler_proc")
         self.wait_ready(["detokenizer", *tokenizer_names, "scheduler"])
 
+        # The frontend loads no tokenizer; a tokenizer tells whether the model reasons.
+        config.reasoning = bool(self.ready[tokenizer_names[0]].info.get("reasoning", False))
+        config.save(self.run_dir)
         self.spawn("frontend", "frontend_proc")
         self.wait_ready(["frontend"])
         logger.info(

@@ -118,7 +118,27 @@ def child_args(description: str, with_rank: bool = False) -> argparse.Namespace:
     return parser.parse_args()
 
 
+def release_free_heap() -> None:
+    """Hand the heap that start-up freed back to the OS.
+
+    Loading a tokenizer (or a checkpoint) allocates far more than it keeps: glibc keeps
+    the freed pages mapped, scattered between live ones, and they stay resident for the
+    life of the process (about 50 MB per process for a 151k-token tokenizer).
+    ``malloc_trim`` returns every free page of every arena. Elsewhere than glibc it is a
+    no-op. No ``gc.collect`` first: what start-up drops is freed by reference counting, and
+    a collection costs the worker 0.1 s on the path to ready."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
+
 def report_ready(ctx: zmq.Context, run_dir: str, name: str, **info) -> None:
+    """Tell the launcher this process has started, once start-up's garbage is returned."""
+    release_free_heap()
     logger.info("ready %s", " ".join(f"{k}={v}" for k, v in info.items()))
     sock = ipc.connect(ctx, zmq.PUSH, run_dir, "launcher")
     ipc.send(sock, protocol.ProcessReady(name=name, pid=os.getpid(), info=info))

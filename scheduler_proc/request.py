@@ -12,7 +12,7 @@ from pegainfer.protocol import SamplingParams, SeqOutput, pack_ids
 if TYPE_CHECKING:
     from scheduler_proc.prefix_cache import PrefixNode
 
-_ONE_ID = struct.Struct("<i")
+_pack_one_id = struct.Struct("<i").pack
 
 
 class RequestStatus(Enum):
@@ -21,7 +21,7 @@ class RequestStatus(Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One request across its whole life, including preemptions.
 
@@ -65,10 +65,16 @@ class Request:
     prefix_nodes: list[PrefixNode] = field(default_factory=list)
     # Set when a block could not be indexed (a digest collision): index nothing further.
     prefix_chain_broken: bool = False
+    # Per-token stop screening (see stop.py ``stop_screen``): a new token needs the full
+    # ``check_stop`` only if it is one of ``stop_screen_ids`` or the output has reached
+    # ``stop_screen_length`` tokens. The defaults send every token to the full check.
+    stop_screen_ids: frozenset[int] = frozenset()
+    stop_screen_length: int = 0
+    # The prompt never changes, so its length is kept rather than measured per step.
+    num_prompt_tokens: int = field(init=False)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -77,7 +83,7 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt plus the generated tokens the scheduler has seen."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_known_tokens(self) -> int:
@@ -124,16 +130,28 @@ class Request:
 
     def to_output(self, new_token_ids: list[int]) -> SeqOutput:
         """This step's report to the detokenizer: the new tokens and, once over, how it ended."""
-        if len(new_token_ids) == 1:  # the common case, packed without building an array
-            packed = _ONE_ID.pack(new_token_ids[0])
-        else:
-            packed = pack_ids(new_token_ids)
+        if len(new_token_ids) == 1:
+            return self.token_output(new_token_ids[0])
+        # Positional: SeqOutput's first seven fields, in order (keywords cost twice as much).
         return SeqOutput(
-            request_id=self.request_id,
-            new_token_ids=packed,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            prompt_tokens=self.num_prompt_tokens,
-            completion_tokens=self.num_output_tokens,
-            cached_tokens=self.num_cached_tokens,
+            self.request_id,
+            pack_ids(new_token_ids),
+            self.finish_reason,
+            self.stop_reason,
+            self.num_prompt_tokens,
+            len(self.output_token_ids),
+            self.num_cached_tokens,
+        )
+
+    def token_output(self, token_id: int) -> SeqOutput:
+        """``to_output([token_id])``, the report of every decode step: one token packed
+        without building an array."""
+        return SeqOutput(
+            self.request_id,
+            _pack_one_id(token_id),
+            self.finish_reason,
+            self.stop_reason,
+            self.num_prompt_tokens,
+            len(self.output_token_ids),
+            self.num_cached_tokens,
         )

@@ -13,6 +13,8 @@ for a sequence id that is no longer live and is dropped. The same holds for toke
 aborted and preempted sequences. Limits that do not depend on token values (max_tokens,
 max_model_len) are honoured exactly: a request is not planned past them.
 
+Results (intake.py, a part of the class): ``on_step_result`` takes a step's sampled tokens.
+
 Prefix cache (prefix_cache.py): a waiting request starts on the cached blocks of its longest
 cached prefix, so its first plan row has ``num_computed`` > 0 and its block table begins
 with those shared blocks. The full blocks a plan computes are indexed after it is built
@@ -30,21 +32,19 @@ from collections.abc import Callable, Iterable
 
 from pegainfer.config import EngineConfig
 from pegainfer.protocol import (
-    ProtocolError,
     RequestRejected,
     SeqOutput,
     StepPlan,
-    StepResult,
     TokenizedRequest,
-    unpack_ids,
 )
 from scheduler_proc.admission import AdmissionPlan, EarlyAborts, check_admission, plan_admission
 from scheduler_proc.block_manager import BlockManager
+from scheduler_proc.intake import ResultIntake
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.request import Request, RequestStatus
 from scheduler_proc.stats import SchedulerStats
 from scheduler_proc.step_builder import StepBuilder
-from scheduler_proc.stop import check_stop
+from scheduler_proc.stop import stop_screen
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 EARLY_ABORT_MEMORY = 4096
 
 
-class Scheduler:
+class Scheduler(ResultIntake):
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.time) -> None:
         if config.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks is not set; the workers have not reported it")
@@ -172,6 +172,9 @@ class Scheduler:
             arrival_time=tokenized.arrival_time,
             arrival_index=self._next_arrival_index,
         )
+        request.stop_screen_ids, request.stop_screen_length = stop_screen(
+            tokenized.sampling, request.num_prompt_tokens, self.eos_token_ids, self.max_model_len
+        )
         self._next_arrival_index += 1
         self._requests[request.request_id] = request
         self._waiting.append(request)
@@ -195,65 +198,6 @@ class Scheduler:
             outputs.append(request.to_output([]))
         return outputs
 
-    def on_step_result(self, result: StepResult) -> list[SeqOutput]:
-        """Take one step's sampled tokens: append them, check stops, report every change."""
-        self.flush_prefix_cache()
-        samplers = self._in_flight.pop(result.step_id, None)
-        if samplers is None:
-            logger.warning("dropped a result for step %d, which is not in flight", result.step_id)
-            return []
-        try:
-            seq_ids = unpack_ids(result.seq_ids)
-            token_ids = unpack_ids(result.token_ids)
-            if len(seq_ids) != len(token_ids):
-                raise ProtocolError(f"{len(seq_ids)} seq ids but {len(token_ids)} tokens")
-        except ProtocolError as exc:
-            logger.error(
-                "step %d result is malformed (%s); its tokens are lost", result.step_id, exc
-            )
-            seq_ids, token_ids = [], []
-        expected = set(samplers)
-        answered: set[int] = set()
-        outputs = []
-        now = self._clock()
-        for seq_id, token_id in zip(seq_ids, token_ids):
-            if seq_id not in expected or seq_id in answered:
-                logger.warning("step %d: unexpected token for seq %d", result.step_id, seq_id)
-                continue
-            answered.add(seq_id)
-            request = self._seq_to_request.get(seq_id)
-            if request is None:
-                continue  # finished, aborted or preempted after this step was planned
-            request.num_pending_tokens -= 1
-            request.output_token_ids.append(token_id)
-            if self.prefix_cache is not None:
-                # A block whose last token was still in flight when its step was planned.
-                self.prefix_cache.register(request)
-            self.generation_tokens_total += 1
-            if request.first_token_time is None:
-                request.first_token_time = now
-                self.prompt_tokens_total += request.num_prompt_tokens
-            stop = check_stop(
-                request.sampling,
-                request.output_token_ids,
-                request.num_prompt_tokens,
-                self.eos_token_ids,
-                self.max_model_len,
-            )
-            if stop is not None:
-                self._finish(request, *stop)
-            outputs.append(request.to_output([token_id]))
-        for seq_id in samplers:
-            request = self._seq_to_request.get(seq_id)
-            if seq_id not in answered and request is not None:
-                # Its state no longer matches the worker's; ending it beats hanging it.
-                logger.error(
-                    "step %d sampled no token for request %s", result.step_id, request.request_id
-                )
-                self._finish(request, "abort", None)
-                outputs.append(request.to_output([]))
-        return outputs
-
     # -- planning --------------------------------------------------------------------------
 
     def flush_prefix_cache(self) -> None:
@@ -269,35 +213,11 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Plan the next step, or None when no request can make progress now."""
         self.flush_prefix_cache()
-        budget = self.max_num_batched_tokens
         batch = StepBuilder()
-        preempted = False
-        block_size = self.block_size
-
-        # Running requests first, oldest first: a request short of blocks takes them from
-        # the youngest, which is therefore never one already planned in this step.
-        index = 0
-        while index < len(self._running) and budget > 0:
-            request = self._running[index]
-            num_new = self._num_tokens_to_schedule(request, budget)
-            if num_new == 0:
-                index += 1
-                continue
-            num_tokens = request.num_computed_tokens + num_new
-            num_blocks = 0
-            if num_tokens > len(request.block_ids) * block_size:  # else: the common decode
-                num_blocks = -(-num_tokens // block_size) - len(request.block_ids)
-                while not self.block_manager.can_allocate(num_blocks):
-                    victim = self._running[-1]
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is request:
-                        break
-                if request.status is not RequestStatus.RUNNING:
-                    break  # it preempted itself: every younger request is gone already
-            self._plan_one(batch, request, num_new, num_blocks)
-            budget -= num_new
-            index += 1
+        # Requests whose new full blocks the prefix cache indexes once the plan is complete
+        # (and, ideally, sent): a block computed in this step can be read from the next on.
+        unindexed: list[Request] | None = [] if self.prefix_cache is not None else None
+        budget, preempted = self._plan_running(batch, unindexed)
 
         # Then waiting requests, first come first served. After a preemption the cache is
         # under pressure, so nothing new is let in this step.
@@ -314,50 +234,106 @@ class Scheduler:
             self._waiting.popleft()
             self._admit(request, admission)
             batch.add_new_sequence(request)
-            self._plan_one(batch, request, admission.num_new, admission.num_blocks, new_seq=True)
+            self._plan_new(batch, request, admission.num_new, admission.num_blocks)
+            if unindexed is not None and self._completes_a_block(request):
+                unindexed.append(request)
             budget -= admission.num_new
 
         if not batch.seq_ids:
             return None
-        if self.prefix_cache is not None:
-            # Indexed after this plan is complete (and, ideally, sent): a block computed in
-            # this step can be read from the next step on.
-            self._unindexed = [
-                r
-                for r in batch.requests
-                if r.num_computed_tokens >= (len(r.prefix_nodes) + 1) * block_size
-            ]
+        if unindexed is not None:
+            self._unindexed = unindexed
         step_id = self._next_step_id
         self._next_step_id += 1
         self._in_flight[step_id] = batch.samplers
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         return batch.build(step_id, finished)
 
-    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        known = request.num_known_tokens
-        if request.num_pending_tokens > 0 and (
-            request.num_output_tokens + request.num_pending_tokens >= request.sampling.max_tokens
-            or known >= self.max_model_len
-        ):
-            return 0  # its last token is in flight; another step would sample past the limit
-        return max(0, min(known - request.num_computed_tokens, budget))
+    def _plan_running(
+        self, batch: StepBuilder, unindexed: list[Request] | None
+    ) -> tuple[int, bool]:
+        """Plan the running requests, oldest first: the token budget left, and whether a
+        request was preempted. A request short of blocks takes them from the youngest, which
+        is therefore never one already planned in this step.
 
-    def _plan_one(
-        self,
-        batch: StepBuilder,
-        request: Request,
-        num_new: int,
-        num_blocks: int,
-        new_seq: bool = False,
+        Every decode step runs this loop over the whole batch, so it works on locals and
+        keeps the rare cases (new blocks, preemption, prompt chunks) off the common path."""
+        budget = self.max_num_batched_tokens
+        running = self._running
+        block_size = self.block_size
+        max_model_len = self.max_model_len
+        block_manager = self.block_manager
+        add_seq_id = batch.seq_ids.append
+        add_computed = batch.num_computed.append
+        add_scheduled = batch.num_scheduled.append
+        add_sampler = batch.samplers.append
+        add_request = batch.requests.append
+        preempted = False
+        prompt_tokens_computed = 0
+        index = 0
+        while index < len(running) and budget > 0:
+            request = running[index]
+            index += 1
+            computed = request.num_computed_tokens
+            pending = request.num_pending_tokens
+            num_output = len(request.output_token_ids)
+            num_prompt = request.num_prompt_tokens
+            known = num_prompt + num_output + pending  # the length the workers know
+            if pending > 0 and (
+                num_output + pending >= request.sampling.max_tokens or known >= max_model_len
+            ):
+                continue  # its last token is in flight; another step would sample past it
+            num_new = min(known - computed, budget)
+            if num_new <= 0:
+                continue
+            end = computed + num_new
+            block_ids = request.block_ids
+            if end > len(block_ids) * block_size:  # else: the common decode
+                num_blocks = -(-end // block_size) - len(block_ids)
+                while not block_manager.can_allocate(num_blocks):
+                    victim = running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is request:
+                        break
+                if request.status is not RequestStatus.RUNNING:
+                    break  # it preempted itself: every younger request is gone already
+                first_unsent = len(block_ids)
+                block_ids.extend(block_manager.allocate(num_blocks))
+                batch.add_blocks(request.seq_id, block_ids[first_unsent:])
+            seq_id = request.seq_id
+            add_seq_id(seq_id)
+            add_computed(computed)
+            add_scheduled(num_new)
+            add_request(request)
+            request.num_computed_tokens = end
+            # The worker samples when the computed tokens reach the length it knows.
+            if end == known:
+                add_sampler(seq_id)
+                request.num_pending_tokens = pending + 1
+            if computed < num_prompt:
+                prompt_part = min(end, num_prompt) - computed
+                request.num_computed_prompt_tokens += prompt_part
+                prompt_tokens_computed += prompt_part
+            if unindexed is not None and end >= (len(request.prefix_nodes) + 1) * block_size:
+                unindexed.append(request)  # as _completes_a_block, inlined
+            budget -= num_new
+        self.prompt_tokens_computed += prompt_tokens_computed
+        return budget, preempted
+
+    def _completes_a_block(self, request: Request) -> bool:
+        """Whether the planned tokens fill a block past those the prefix cache indexed."""
+        return request.num_computed_tokens >= (len(request.prefix_nodes) + 1) * self.block_size
+
+    def _plan_new(
+        self, batch: StepBuilder, request: Request, num_new: int, num_blocks: int
     ) -> None:
-        """Add ``num_new`` tokens of the request to the step, with ``num_blocks`` more blocks.
-        A new sequence's update carries its whole table (prefix cache hits first)."""
-        seq_id = request.seq_id
-        first_unsent = 0 if new_seq else len(request.block_ids)
+        """Add ``num_new`` tokens of a just admitted request to the step, with ``num_blocks``
+        more blocks. Its update carries its whole table (prefix cache hits first)."""
         if num_blocks > 0:
             request.block_ids.extend(self.block_manager.allocate(num_blocks))
-        if len(request.block_ids) > first_unsent:
-            batch.add_blocks(seq_id, request.block_ids[first_unsent:])
+        if request.block_ids:
+            batch.add_blocks(request.seq_id, request.block_ids[:])
         computed = request.num_computed_tokens
         # The worker samples when the computed tokens reach the length it knows.
         samples = computed + num_new == request.num_known_tokens

@@ -35,3 +35,19 @@ def check_stop(
     if num_prompt_tokens + num_output >= max_model_len:
         return "length", None
     return None
+
+
+def stop_screen(
+    sampling: SamplingParams,
+    num_prompt_tokens: int,
+    eos_token_ids: frozenset[int],
+    max_model_len: int,
+) -> tuple[frozenset[int], int]:
+    """A cheap screen in front of ``check_stop``, made once per request: ``(ids, length)``
+    such that the newest token can only end the request if it is in ``ids`` or the output
+    has ``length`` tokens or more. Every sampled token passes it, so it must stay exact: it
+    may send a token to ``check_stop`` needlessly, never skip one that stops."""
+    ids = set(sampling.stop_token_ids)
+    if not sampling.ignore_eos:
+        ids |= eos_token_ids
+    return frozenset(ids), min(sampling.max_tokens, max_model_len - num_prompt_tokens)

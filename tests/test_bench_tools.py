@@ -79,7 +79,12 @@ def test_bench_overhead(micro_dir, tmp_path):
         for what in ("encode StepPlan", "decode StepPlan", "encode StepResult"):
             assert (what, batch) in whats
         assert ("Scheduler.schedule + on_step_result", batch) in whats
+        assert ("worker step prep (apply_diffs + layout + upload)", batch) in whats
+        assert ("encode TokenOutputs", batch) in whats
     assert all(r["median_us"] > 0 for r in micro)
+    host_step = payload["host_step_us"]["64"]
+    assert host_step["full_host_us"] > host_step["target_measure_us"] > host_step["scheduler_us"]
+    assert "host time per decode step at batch 64" in stdout
     sizes = {r["batch"]: r["bytes"] for r in micro if r["what"] == "encode StepResult"}
     assert sizes[64] > sizes[8] + 56 * 8  # two packed int32 arrays grow with the batch
     assert "target us" in stdout and "300.00" in stdout
@@ -275,14 +280,16 @@ def test_bench_serving_stops_at_its_time_limit(micro_server, tmp_path, capsys):
         "--num-prompts", "50",
         "--request-rate", "5",
         "--input-len", "8",
-        "--output-len", "100",
-        "--max-duration", "0.5",
+        "--output-len", "120",
+        "--max-duration", "0.05",
         "--warmup", "0",
         "--roofline-device", "none",
         "--out", str(tmp_path),
     )  # fmt: skip
     summary = json.loads((tmp_path / "serving.json").read_text())["summary"]
-    # About 0.5 s at 5 requests/s: a few sent, none of 100 tokens finished, the rest never sent.
+    # 50 ms at 5 requests/s: the first request goes at once (a few more at most) and none
+    # of 120 tokens finishes (that takes 120 steps of the whole pipeline); the rest are
+    # never sent.
     assert summary["completed"] + summary["failed"] < 20
     assert summary["failed"] >= 1 and "time limit reached" in summary["errors"]
     assert summary["duration_s"] < 5

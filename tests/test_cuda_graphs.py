@@ -133,6 +133,7 @@ def test_padding_rows_write_no_kv(graph_runner):
     prefill = StepPlan(
         0, new, pack_ids([0, 1, 2]), pack_ids([0] * 3), pack_ids([3] * 3), updates, b""
     )
+
     def written_slots(before: torch.Tensor) -> list[list[int]]:
         # Bitwise: the CPU cache is uninitialised, and NaN != NaN.
         changed = runner.kv_storage.view(torch.int32) != before.view(torch.int32)

@@ -15,11 +15,16 @@ from frontend_proc.errors import APIError
 from pegainfer import ipc, protocol
 from pegainfer.protocol import (
     AbortRequests,
+    DetokenizeRequest,
+    DetokenizeResult,
     GenerateRequest,
     RequestRejected,
     SamplingParams,
     TextDelta,
     TextOutputs,
+    TokenizeRequest,
+    TokenizeResult,
+    pack_ids,
 )
 
 
@@ -85,6 +90,66 @@ def test_engine_client_round_trip(tmp_path):
             abort = await recv(scheduler, (AbortRequests,))
             assert abort.request_ids == ["c", "d"]
             assert not await scheduler.poll(100)
+        finally:
+            await engine.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())
+
+
+def test_tokenizer_calls_get_their_own_answer(tmp_path):
+    run_dir = str(tmp_path)
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = EngineClient(run_dir)
+        engine.start()
+        tokenizer = ipc.connect(ctx, zmq.PULL, run_dir, "tokenizer")
+        answers = ipc.connect(ctx, zmq.PUSH, run_dir, "frontend")
+        calls = (TokenizeRequest, DetokenizeRequest)
+        try:
+            request = TokenizeRequest("tok-1", "hi", None, {}, True, True, True)
+            tokenized = asyncio.ensure_future(engine.tokenize(request))
+            detokenized = asyncio.ensure_future(
+                engine.detokenize(DetokenizeRequest("detok-1", pack_ids([1])))
+            )
+            rejected = asyncio.ensure_future(
+                engine.detokenize(DetokenizeRequest("detok-2", pack_ids([10**6])))
+            )
+            got = {(await recv(tokenizer, calls)).request_id for _ in range(3)}
+            assert got == {"tok-1", "detok-1", "detok-2"}
+            assert engine.num_active == 0  # calls are not requests in flight (drain, metrics)
+            refusal = RequestRejected("detok-2", 400, "out of vocabulary", "x", "tokens", None)
+            for msg in (
+                DetokenizeResult("detok-1", "hello"),
+                refusal,
+                TokenizeResult("unknown", pack_ids([1]), None),  # nobody waits: dropped
+                TokenizeResult("tok-1", pack_ids([7, 8]), ["hi", "!"]),
+            ):
+                await answers.send(protocol.encode(msg))
+            assert (await asyncio.wait_for(tokenized, 5)).token_strs == ["hi", "!"]
+            assert (await asyncio.wait_for(detokenized, 5)).text == "hello"
+            with pytest.raises(APIError) as info:
+                await asyncio.wait_for(rejected, 5)
+            assert (info.value.status, info.value.param) == (400, "tokens")
+
+            # A body msgpack cannot carry is the client's mistake, not the server's.
+            huge = {"x": 2**64}
+            with pytest.raises(APIError) as info:
+                await engine.tokenize(TokenizeRequest("tok-2", None, [], huge, True, False, False))
+            assert info.value.status == 400
+
+            # A call waiting when the engine dies fails at once, and so does every later one.
+            pending = asyncio.ensure_future(
+                engine.detokenize(DetokenizeRequest("detok-3", pack_ids([1])))
+            )
+            await recv(tokenizer, calls)
+            engine.fail_all("tokenizer-0 was killed")
+            with pytest.raises(APIError) as info:
+                await asyncio.wait_for(pending, 5)
+            assert info.value.status == 503
+            with pytest.raises(APIError):
+                await engine.tokenize(TokenizeRequest("tok-3", "hi", None, {}, True, True, False))
         finally:
             await engine.close()
             ctx.destroy(linger=0)

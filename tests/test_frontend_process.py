@@ -1,14 +1,18 @@
 """The frontend and a tokenizer as real processes, with a stand-in for the scheduler and
-detokenizer, driven by the openai client: the processes start, report ready, serve, and
-abort what a vanished client left running."""
+detokenizer, driven by the openai client: the processes start, report ready, serve (the
+frontend's /tokenize through the tokenizer: it loads none itself), and abort what a
+vanished client left running."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import zmq
@@ -27,6 +31,9 @@ from tests.test_tokenizer_proc import WORDS, write_model_dir
 
 openai = pytest.importorskip("openai")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+THINKING_MAX_TOKENS = 7  # the stand-in answers these requests with a <think> block
 
 
 class StandInEngine(threading.Thread):
@@ -51,12 +58,15 @@ class StandInEngine(threading.Thread):
                     continue  # a request that never finishes, for the abort test
                 n = len(unpack_ids(msg.prompt_token_ids))
                 rid = msg.request_id
+                first, second = "hello", " world"
+                if msg.sampling.max_tokens == THINKING_MAX_TOKENS:
+                    first, second = "<think>plan</think>", "Paris"
                 ipc.send(
-                    self.outbound, TextOutputs([TextDelta(rid, "hello", b"", None, None, n, 1, 0)])
+                    self.outbound, TextOutputs([TextDelta(rid, first, b"", None, None, n, 1, 0)])
                 )
                 ipc.send(
                     self.outbound,
-                    TextOutputs([TextDelta(rid, " world", b"", "stop", None, n, 2, 0)]),
+                    TextOutputs([TextDelta(rid, second, b"", "stop", None, n, 2, 0)]),
                 )
 
 
@@ -66,6 +76,30 @@ def start(module: str, run_dir: str, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", module, "--run-dir", run_dir, *extra], env=env, cwd=REPO_ROOT
     )
+
+
+def post(port: int, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_frontend_imports_no_tokenizer_library():
+    code = (
+        "import sys, frontend_proc.__main__; "
+        "print(sorted(m for m in ('tokenizers', 'jinja2') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
 
 
 def test_frontend_and_tokenizer_processes(tmp_path):
@@ -82,6 +116,7 @@ def test_frontend_and_tokenizer_processes(tmp_path):
         run_dir=str(run_dir),
         log_level="warning",
         model=ModelInfo("LlamaForCausalLM", len(WORDS), 1024, [2], 1, 1, 1, 8, 8),
+        reasoning=True,  # as the launcher sets it when the tokenizer reports so
     )
     config.save(str(run_dir))
     ctx = zmq.Context()
@@ -97,6 +132,8 @@ def test_frontend_and_tokenizer_processes(tmp_path):
         assert ready is not None and ready.name == "frontend"
         port = ready.info["port"]
         assert port > 0
+        with open(f"/proc/{ready.pid}/maps") as f:
+            assert "tokenizers" not in f.read()  # the frontend loaded no tokenizer
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list()] == ["tiny"]
@@ -122,6 +159,29 @@ def test_frontend_and_tokenizer_processes(tmp_path):
         chunks = list(stream)
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == "hello world" and chunks[-1].usage.completion_tokens == 2
+
+        thought = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=THINKING_MAX_TOKENS,
+        )
+        assert thought.choices[0].message.content == "Paris"
+        assert thought.choices[0].message.reasoning_content == "plan"
+
+        # /tokenize and /detokenize are answered by the tokenizer process.
+        status, body = post(
+            port, "/tokenize", {"prompt": "hello the cat", "return_token_strs": True}
+        )
+        assert status == 200 and body["tokens"] == [1, 5, 7, 8] and body["max_model_len"] == 1024
+        assert body["token_strs"] == ["<s>", "hello", "the", "cat"] and body["count"] == 4
+        chat = {"messages": [{"role": "user", "content": "hello"}], "add_generation_prompt": False}
+        status, body = post(port, "/tokenize", chat)
+        assert status == 200 and body["tokens"] == [1, 3, 5, 2]
+        status, body = post(port, "/detokenize", {"tokens": [5, 6]})
+        assert (status, body) == (200, {"prompt": "hello world"})
+        for tokens in ([5, 999], [2**40]):
+            status, body = post(port, "/detokenize", {"tokens": tokens})
+            assert status == 400 and "out of vocabulary" in body["error"]["message"]
 
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="tiny", prompt=[5, 999], max_tokens=2)

@@ -239,6 +239,9 @@ results.append(outcome(check, plan(11 if rank == 0 else 12)))  # rank 1 lost ste
 tokens = torch.tensor([7, 8, 9]) if rank == 0 else torch.zeros(3, dtype=torch.int64)
 results.append(ps.broadcast_from_rank0(tokens).tolist())
 print(json.dumps(results), flush=True)
+# The verdict is out. Skip interpreter teardown: gloo's destructor can abort ("terminate
+# called without an active exception") when the peer rank has already exited.
+os._exit(0)
 """
 
 

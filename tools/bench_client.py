@@ -201,7 +201,9 @@ async def run_load(
                 break
             tasks.append(asyncio.ensure_future(one(session, prompt, max_tokens)))
             if math.isfinite(request_rate) and request_rate > 0:
-                await asyncio.sleep(rng.expovariate(request_rate))
+                # Never past the time limit: the wait would extend the run beyond it.
+                left = max_duration - (time.perf_counter() - started)
+                await asyncio.sleep(min(rng.expovariate(request_rate), max(left, 0.0)))
         remaining = max_duration - (time.perf_counter() - started)
         if tasks:
             done, pending = await asyncio.wait(

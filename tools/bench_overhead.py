@@ -14,9 +14,13 @@ the model's own step time, and microbenchmarks of the hot host-side pieces.
    CPU the scheduler runs on another core while the worker computes, so a negative overhead
    means the pipeline is fully hidden. The default model is ``micro`` (tiny Qwen3 with a
    4096-token vocabulary) so that the model's step is short beside the overhead.
-2. Microbenchmarks: protocol encode/decode of a decode-step StepPlan and StepResult at
-   batch 64 and 256, and Scheduler.schedule() + on_step_result() per decode step at batch 64
-   and 256 (target 0.3 ms at batch 64), median of many iterations.
+2. Microbenchmarks, median of many iterations, at batch 64 and 256: protocol encode/decode
+   of a decode step's StepPlan, StepResult and TokenOutputs; Scheduler.schedule() +
+   on_step_result() per decode step; and the worker's host-side preparation of the step
+   (plan diffs, layout, upload arrays; the model is not run). The target, 0.3 ms at batch
+   64, counts the scheduler's step plus encode and decode of the plan and of the result;
+   the summary beside it adds the worker's preparation and the encode of the new tokens,
+   the whole host time of a step.
 
 Everything runs on the CPU whatever the machine has, so that a regression in host code shows
 without a GPU. Compare runs on the same machine: on a loaded machine the figures move.
@@ -38,7 +42,13 @@ from tools.bench_common import (
     save_json,
     save_plot,
 )
-from tools.bench_host_micro import SCHEDULER_TARGET_MS, protocol_micro, scheduler_micro
+from tools.bench_host_micro import (
+    SCHEDULER_TARGET_MS,
+    host_step_summary,
+    protocol_micro,
+    scheduler_micro,
+    worker_micro,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,6 +192,26 @@ def pipeline_rows(args: argparse.Namespace, batches: list[int]) -> list[dict[str
     return rows
 
 
+def print_host_step(batch: int, summary: dict[str, float], target_us: float | None) -> None:
+    """The host time of one decode step, part by part, beside the target."""
+    verdict = ""
+    if target_us is not None:
+        met = summary["target_measure_us"] <= target_us
+        verdict = f"  (target {target_us:.0f} us: {'met' if met else 'NOT met'})"
+    lines = [
+        ("scheduler: schedule + on_step_result", summary["scheduler_us"]),
+        ("StepPlan encode + decode", summary["plan_codec_us"]),
+        ("StepResult encode + decode", summary["result_codec_us"]),
+        ("= what the target counts", summary["target_measure_us"]),
+        ("worker: apply_diffs + layout + upload", summary["worker_prep_us"]),
+        ("scheduler: TokenOutputs encode", summary["outputs_encode_us"]),
+        ("= full host time of the step", summary["full_host_us"]),
+    ]
+    print(f"\nhost time per decode step at batch {batch}{verdict}")
+    for label, value in lines:
+        print(f"  {label:<40} {value:8.1f} us")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     batches = parse_int_list(args.batches)
@@ -196,12 +226,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tables = []
     micro = protocol_micro(micro_batches, args.micro_iters)
     sched = scheduler_micro(micro_batches, max(200, args.micro_iters // 4))
+    worker = worker_micro(micro_batches, max(200, args.micro_iters // 4))
+    target_us = SCHEDULER_TARGET_MS * 1e3
     rows = [
         [r["what"], r["batch"], r.get("bytes"), r["median_us"], r["mean_us"], None, None]
         for r in micro
     ]
-    for r in sched:
-        target = SCHEDULER_TARGET_MS * 1e3 if r["batch"] == 64 else None
+    for r in sched + worker:
+        target = target_us if r["batch"] == 64 else None
         met = (r["median_us"] <= target) if target else None
         rows.append([r["what"], r["batch"], None, r["median_us"], r["mean_us"], target, met])
     tables.append(
@@ -216,6 +248,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"  scheduler at batch {r['batch']}: schedule {r['schedule_us']:.1f} us + "
             f"on_step_result {r['on_step_result_us']:.1f} us"
         )
+    host_steps = {}
+    for batch in micro_batches:
+        summary = host_step_summary(micro + sched + worker, batch)
+        if summary is not None:
+            host_steps[batch] = summary
+            print_host_step(batch, summary, target_us if batch == 64 else None)
 
     pipeline: list[dict[str, Any]] = []
     if not args.skip_pipeline:
@@ -259,16 +297,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "overhead",
         "meta": run_metadata(argv),
         "args": vars(args),
-        "microbenchmarks": micro + sched,
-        "scheduler_target_us": SCHEDULER_TARGET_MS * 1e3,
+        "microbenchmarks": micro + sched + worker,
+        "scheduler_target_us": target_us,
+        "host_step_us": host_steps,
         "pipeline": pipeline,
         "table": "\n".join(tables),
     }
     save_json(args.out, args.name, payload)
 
     def draw(axes: list) -> None:
-        labels = [f"{r['what']}\nB={r['batch']}" for r in micro + sched]
-        values = [r["median_us"] for r in micro + sched]
+        labels = [f"{r['what']}\nB={r['batch']}" for r in micro + sched + worker]
+        values = [r["median_us"] for r in micro + sched + worker]
         axes[0].barh(range(len(values)), values)
         axes[0].set_yticks(range(len(values)), labels, fontsize="x-small")
         axes[0].axvline(SCHEDULER_TARGET_MS * 1e3, color="red", linestyle=":", label="0.3 ms")

@@ -157,49 +157,82 @@ def _layout_decode(
     rows: int,
     scratch_slot: int,
 ) -> StepLayout:
-    """``layout_step`` for one token per sequence: the hot path of steady decoding, with
-    one short loop and the per-row columns that follow from ``num_computed`` built whole."""
+    """``layout_step`` for one token per sequence: the hot path of steady decoding. What
+    only the sequences know is read in a few list comprehensions, each column is converted
+    to numpy once, and whole-list comparisons catch the steady states (every row samples;
+    every input token is on the device) without a test per row."""
     num_seqs = len(seqs)
     padding = rows - num_seqs
-    input_ids = [0] * rows
-    slot_mapping = [-1] * rows
-    row_slots = [scratch_slot] * rows
-    pending_index: list[int] = []
-    pending_slot: list[int] = []
-    sample_rows: list[int] = []
-    for row, (seq, position) in enumerate(zip(seqs, num_computed)):
-        tokens = seq.token_ids
-        samples = position + 1 == seq.num_tokens
-        if position < len(tokens):
-            input_ids[row] = tokens[position]
-        elif samples:  # the newest token, still on the device
-            pending_index.append(row)
-            pending_slot.append(seq.slot)
-        else:
-            raise TokensNotOnHost(f"sequence {seq.seq_id} needs token {position}")
-        block = seq.block_table[position // block_size]
-        slot_mapping[row] = block * block_size + position % block_size
-        row_slots[row] = seq.slot
-        if samples:
-            sample_rows.append(row)
-    context_lens = [position + 1 for position in num_computed]
+    rows_of = range(num_seqs)
+    every_row_samples = [seq.num_tokens - 1 for seq in seqs] == num_computed
+    if every_row_samples:
+        sample_rows = list(rows_of)
+    else:
+        sample_rows = [
+            r for r, seq, p in zip(rows_of, seqs, num_computed) if p + 1 == seq.num_tokens
+        ]
+    # Rows whose input is the newest token, still on the device (it must be one that samples).
+    on_host = [len(seq.token_ids) for seq in seqs]
+    every_row_pending = on_host == num_computed
+    if every_row_pending:
+        pending_rows = list(rows_of)
+    else:
+        pending_rows = [r for r, num, p in zip(rows_of, on_host, num_computed) if p >= num]
+    if pending_rows and not every_row_samples:
+        sampling = set(sample_rows)
+        for row in pending_rows:
+            if row not in sampling:
+                seq = seqs[row]
+                raise TokensNotOnHost(f"sequence {seq.seq_id} needs token {num_computed[row]}")
+
+    if every_row_pending:
+        input_ids = np.zeros(rows, dtype=np.int64)
+    elif not pending_rows:
+        input_ids = _i64([seq.token_ids[p] for seq, p in zip(seqs, num_computed)] + [0] * padding)
+    else:
+        input_ids = _i64(
+            [seq.token_ids[p] if p < num else 0 for seq, num, p in zip(seqs, on_host, num_computed)]
+            + [0] * padding
+        )
+    slot_mapping = [
+        seq.block_table[p // block_size] * block_size + p % block_size
+        for seq, p in zip(seqs, num_computed)
+    ]
+    positions = _i64(num_computed + [0] * padding)
+    row_slots = _i64([seq.slot for seq in seqs] + [scratch_slot] * padding)
+    context_lens = (positions + 1).astype(np.int32)  # padding rows: position 0, length 1
+    if every_row_samples:  # one token per row: a row's token index is the row
+        sample_index = np.arange(num_seqs, dtype=np.int64)
+        sample_slot = row_slots[:num_seqs]
+        sample_pos = positions[:num_seqs] + 1
+    else:
+        sample_index = _i64(sample_rows)
+        sample_slot = row_slots[sample_index]
+        sample_pos = context_lens[sample_index].astype(np.int64)
+    if every_row_pending:
+        pending_index = np.arange(num_seqs, dtype=np.int64)
+        pending_slot = row_slots[:num_seqs]
+    else:
+        pending_index = _i64(pending_rows)
+        pending_slot = row_slots[pending_index]
+    max_context_len = max(num_computed) + 1
     return StepLayout(
         num_seqs=num_seqs,
         num_rows=rows,
         max_query_len=1,
-        max_context_len=max(context_lens),
-        max_blocks=-(-max(context_lens) // block_size),
+        max_context_len=max_context_len,
+        max_blocks=-(-max_context_len // block_size),
         sample_rows=sample_rows,
-        input_ids=_i64(input_ids),
-        positions=_i64(list(num_computed) + [0] * padding),
-        slot_mapping=_i64(slot_mapping),
-        row_slots=_i64(row_slots),
-        pending_index=_i64(pending_index),
-        pending_slot=_i64(pending_slot),
-        sample_index=_i64(sample_rows),  # one token per row: token index == row
-        sample_slot=_i64([row_slots[row] for row in sample_rows]),
-        sample_pos=_i64([context_lens[row] for row in sample_rows]),
-        context_lens=_i32(context_lens + [1] * padding),
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=_i64(slot_mapping + [-1] * padding),
+        row_slots=row_slots,
+        pending_index=pending_index,
+        pending_slot=pending_slot,
+        sample_index=sample_index,
+        sample_slot=sample_slot,
+        sample_pos=sample_pos,
+        context_lens=context_lens,
         query_lens=np.ones(rows, dtype=np.int32),
         query_start_loc=np.arange(rows + 1, dtype=np.int32),
     )

@@ -15,6 +15,7 @@ import numpy as np
 
 from pegainfer.protocol import NewSequence, StepPlan, unpack_ids
 from worker_proc.batch import SequenceState
+from worker_proc.sampler import has_penalties
 from worker_proc.seq_slots import SlotTable
 from worker_proc.upload import Uploader
 
@@ -39,14 +40,23 @@ class LiveSequences:
         self.block_size = block_size
         self.seqs: dict[int, SequenceState] = {}
         self._serials = itertools.count(1)
+        # Live sequences whose sampling has penalties (it reads their history on the host):
+        # while there are none, a step need not look for them row by row.
+        self._penalised: set[int] = set()
+
+    @property
+    def any_penalised(self) -> bool:
+        return bool(self._penalised)
 
     def apply_diffs(self, plan: StepPlan) -> None:
         """Drop the finished sequences, add the new ones, append the new blocks."""
-        for seq_id in unpack_ids(plan.finished_seq_ids):
-            self.drop(seq_id)
+        if plan.finished_seq_ids:  # most steps drop nothing: skip the unpacking
+            for seq_id in unpack_ids(plan.finished_seq_ids):
+                self.drop(seq_id)
         for new in plan.new_seqs:
             self.add(new)
-        self.append_blocks([(u.seq_id, unpack_ids(u.block_ids)) for u in plan.block_updates])
+        if plan.block_updates:
+            self.append_blocks([(u.seq_id, unpack_ids(u.block_ids)) for u in plan.block_updates])
 
     def add(self, new: NewSequence) -> None:
         if new.seq_id in self.seqs:
@@ -65,12 +75,15 @@ class LiveSequences:
             slot=self.slots.allocate(),
             serial=next(self._serials),
         )
+        if has_penalties(new.sampling):
+            self._penalised.add(new.seq_id)
 
     def drop(self, seq_id: int) -> None:
         """Forget a sequence; unknown ids are ignored (it may have failed to start)."""
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
             self.slots.free(seq.slot)
+            self._penalised.discard(seq_id)
 
     def append_blocks(self, updates: list[tuple[int, list[int]]]) -> None:
         """Extend the host block tables and scatter the new entries into the device table,
@@ -78,23 +91,26 @@ class LiveSequences:
         flat_index: list[int] = []
         values: list[int] = []
         width = self.slots.max_blocks_per_seq
+        num_kv_blocks = self.num_kv_blocks
+        live = self.seqs
         for seq_id, block_ids in updates:
-            seq = self.seqs.get(seq_id)
+            seq = live.get(seq_id)
             if seq is None:
                 raise PlanError(f"block update for unknown sequence {seq_id}")
-            if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_kv_blocks):
+            if block_ids and (min(block_ids) < 0 or max(block_ids) >= num_kv_blocks):
                 raise PlanError(
-                    f"sequence {seq_id}: block ids outside [0, {self.num_kv_blocks}): {block_ids}"
+                    f"sequence {seq_id}: block ids outside [0, {num_kv_blocks}): {block_ids}"
                 )
-            start = len(seq.block_table)
-            if start + len(block_ids) > width:
+            table = seq.block_table
+            start = len(table)
+            end = start + len(block_ids)
+            if end > width:
                 raise PlanError(
-                    f"sequence {seq_id}: {start + len(block_ids)} blocks exceed the "
-                    f"{width} that --max-model-len needs"
+                    f"sequence {seq_id}: {end} blocks exceed the {width} that --max-model-len needs"
                 )
-            seq.block_table.extend(block_ids)
-            first = seq.slot * width + start
-            flat_index.extend(range(first, first + len(block_ids)))
+            table.extend(block_ids)
+            first = seq.slot * width
+            flat_index.extend(range(first + start, first + end))
             values.extend(block_ids)
         if flat_index:
             index, blocks = self.uploader.upload(

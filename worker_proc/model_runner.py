@@ -242,7 +242,8 @@ class ModelRunner:
         num_computed = unpack_ids(plan.num_computed)
         num_scheduled = unpack_ids(plan.num_scheduled)
         seqs = self.live.batch(seq_ids, num_computed, num_scheduled)
-        if any(s.num_unresolved and has_penalties(s.sampling) for s in seqs):
+        penalised = self.live.any_penalised
+        if penalised and any(s.num_unresolved and has_penalties(s.sampling) for s in seqs):
             self._copy_back_all()  # penalties read the whole history on the host
         size = prefill_size = None
         # Prompt logprobs need the hidden states: such steps run eagerly.

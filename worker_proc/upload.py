@@ -11,11 +11,16 @@ copy has completed (normally long ago), and a device view stays valid until ``ri
 further uploads have been made. Callers that keep tensors longer ask for ``persistent``
 ones, which own fresh device memory. On the CPU the same code runs without pinning or
 events, so its packing is tested there.
+
+A decode step's arrays keep their dtypes and shapes from one step to the next, so the views
+of a slot's buffers that one set of shapes needs are made once and kept (``_Placement``):
+slicing tensors costs more than filling and copying a step's few hundred bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,12 +40,39 @@ def _round_up(num_bytes: int) -> int:
 
 
 def _typed(buffer: torch.Tensor) -> dict[np.dtype, torch.Tensor]:
-    """Views of a uint8 buffer as every supported dtype, made once (slicing is cheap)."""
+    """Views of a uint8 buffer as every supported dtype, made once."""
     return {np_dtype: buffer.view(dtype) for np_dtype, dtype in _TORCH_DTYPES.items()}
+
+
+def _offsets(arrays: Sequence[np.ndarray]) -> tuple[list[int], int]:
+    """Each array's byte offset in a packed buffer, and the buffer's length."""
+    offsets, total = [], 0
+    for array in arrays:
+        offsets.append(total)
+        total += _round_up(array.nbytes)
+    return offsets, total
+
+
+def _views(
+    typed: dict[np.dtype, Any], arrays: Sequence[np.ndarray], offsets: list[int]
+) -> list[Any]:
+    """The 1-D spans of a buffer's typed views where the arrays go."""
+    views = []
+    for array, offset in zip(arrays, offsets):
+        start = offset // array.itemsize
+        views.append(typed[array.dtype][start : start + array.size])
+    return views
+
+
+def _shaped(views: list[torch.Tensor], arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    return [v if a.ndim == 1 else v.view(a.shape) for v, a in zip(views, arrays)]
 
 
 class _Slot:
     """One pinned host buffer and its device buffer, with typed views of both."""
+
+    # Placements kept per slot; a serving worker sees a few shapes over and over.
+    MAX_PLACEMENTS = 32
 
     def __init__(self, num_bytes: int, device: torch.device, pin: bool) -> None:
         num_bytes = _round_up(max(num_bytes, _ALIGN))
@@ -50,10 +82,50 @@ class _Slot:
         self.device = torch.empty(num_bytes, dtype=torch.uint8, device=device)
         self.device_typed = _typed(self.device)
         self.event = torch.cuda.Event() if pin else None
+        self.placements: dict[tuple, _Placement] = {}
 
     @property
     def num_bytes(self) -> int:
         return self.host.numel()
+
+    def fill(self, arrays: Sequence[np.ndarray], host_views: list[np.ndarray]) -> None:
+        for host, array in zip(host_views, arrays):
+            if array.size:
+                host[:] = array if array.ndim == 1 else array.reshape(-1)
+
+    def placement(self, signature: tuple, arrays: Sequence[np.ndarray]) -> _Placement:
+        """Where arrays of this signature go in this slot (the slot is big enough)."""
+        placement = self.placements.get(signature)
+        if placement is None:
+            if len(self.placements) >= self.MAX_PLACEMENTS:
+                self.placements.clear()
+            offsets, total = _offsets(arrays)
+            placement = self.placements[signature] = _Placement(
+                _views(self.host_typed, arrays, offsets),
+                _shaped(_views(self.device_typed, arrays, offsets), arrays),
+                self.host[:total],
+                self.device[:total],
+            )
+        return placement
+
+
+class _Placement:
+    """The views of a slot that arrays of one signature (dtypes and shapes, in order) use:
+    the host spans to fill, the device tensors to return, and the bytes to copy."""
+
+    __slots__ = ("host_views", "device_views", "host_span", "device_span")
+
+    def __init__(
+        self,
+        host_views: list[np.ndarray],
+        device_views: list[torch.Tensor],
+        host_span: torch.Tensor,
+        device_span: torch.Tensor,
+    ) -> None:
+        self.host_views = host_views
+        self.device_views = device_views
+        self.host_span = host_span
+        self.device_span = device_span
 
 
 class Uploader:
@@ -66,35 +138,39 @@ class Uploader:
     def upload(self, arrays: Sequence[np.ndarray], persistent: bool = False) -> list[torch.Tensor]:
         """Copy ``arrays`` (numpy arrays of int64, int32, float32 or bool) to the device;
         returns one tensor per array, of the same dtype and shape."""
-        offsets, total = [], 0
-        for array in arrays:
-            offsets.append(total)
-            total += _round_up(array.nbytes)
         index = self._next
         self._next = (index + 1) % len(self._ring)
         slot = self._ring[index]
         if slot.event is not None:
             slot.event.synchronize()  # its previous copy has left the pinned buffer
-        if slot.num_bytes < total:
-            # The old device buffer may still be read by queued kernels; the caching
-            # allocator orders its reuse behind them on this stream.
-            slot = self._ring[index] = _Slot(max(total, 2 * slot.num_bytes), self.device, self._pin)
-        for array, offset in zip(arrays, offsets):
-            if array.size:
-                start = offset // array.itemsize
-                slot.host_typed[array.dtype][start : start + array.size] = array.reshape(-1)
+        signature = tuple([(array.dtype, array.shape) for array in arrays])
+        placement = slot.placements.get(signature)
+        if placement is None:
+            total = _offsets(arrays)[1]
+            if slot.num_bytes < total:
+                # The old device buffer may still be read by queued kernels; the caching
+                # allocator orders its reuse behind them on this stream.
+                slot = self._ring[index] = _Slot(
+                    max(total, 2 * slot.num_bytes), self.device, self._pin
+                )
+            placement = slot.placement(signature, arrays)
+        slot.fill(arrays, placement.host_views)
         if persistent:
-            device = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=self.device)
-            device_typed = _typed(device)
+            views = self._copy_to_fresh_memory(arrays, placement.host_span)
         else:
-            device, device_typed = slot.device, slot.device_typed
-        if total:
-            device[:total].copy_(slot.host[:total], non_blocking=True)
+            views = list(placement.device_views)
+            if len(placement.device_span):
+                placement.device_span.copy_(placement.host_span, non_blocking=True)
         if slot.event is not None:
             slot.event.record()
-        views = []
-        for array, offset in zip(arrays, offsets):
-            start = offset // array.itemsize
-            view = device_typed[array.dtype][start : start + array.size]
-            views.append(view if array.ndim == 1 else view.view(array.shape))
         return views
+
+    def _copy_to_fresh_memory(
+        self, arrays: Sequence[np.ndarray], host_span: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """Device tensors that outlive the ring: views of a buffer of their own."""
+        total = len(host_span)
+        device = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=self.device)
+        if total:
+            device[:total].copy_(host_span, non_blocking=True)
+        return _shaped(_views(_typed(device), arrays, _offsets(arrays)[0]), arrays)
