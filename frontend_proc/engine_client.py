@@ -306,7 +306,10 @@ class _RequestTiming:
             if self.last is None:
                 ttft = now - self.arrival
                 self.metrics.time_to_first_token.observe(ttft)
-                logger.info(
+                # Logged once the event loop has moved on: the line is not worth a
+                # moment of the first token's latency.
+                asyncio.get_running_loop().call_soon(
+                    logger.info,
                     "first token of request %s: ttft %.3fs, queued %s, %d prompt tokens "
                     "(%d cached)",
                     self.request_id,

@@ -103,35 +103,40 @@ class Preprocessor:
             )
         return self.chat_template.render(messages, add_generation_prompt, chat_template_kwargs)
 
-    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+    def prompt_ids(self, request: GenerateRequest) -> bytes:
+        """The prompt's token ids, packed (``pack_ids``)."""
         if request.messages is not None:
             text = self.render_chat(
                 request.messages, request.add_generation_prompt, request.chat_template_kwargs
             )
             # The template already wrote every special token the model expects.
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
+            return pack_ids(self.tokenizer.encode(text, add_special_tokens=False).ids)
         if request.prompt_token_ids is not None:
-            try:
-                ids = unpack_ids(request.prompt_token_ids)
-            except ProtocolError as exc:
-                raise invalid(f"malformed prompt token ids: {exc}", "prompt") from None
-            check_token_ids(ids, self.vocab_size, "prompt")
-            return ids
+            return self.checked_packed_ids(request.prompt_token_ids)
         if request.prompt is not None:
             # As HF's tokenizer(prompt) does: the post-processor adds BOS where the model wants it.
-            return self.tokenizer.encode(request.prompt, add_special_tokens=True).ids
+            return pack_ids(self.tokenizer.encode(request.prompt, add_special_tokens=True).ids)
         raise invalid("the request has neither a prompt nor messages", "prompt")
+
+    def checked_packed_ids(self, packed: bytes) -> bytes:
+        """Client-given ids, passed on as they came once each is known to name a token."""
+        try:
+            ids = unpack_ids(packed)
+        except ProtocolError as exc:
+            raise invalid(f"malformed prompt token ids: {exc}", "prompt") from None
+        check_token_ids(ids, self.vocab_size, "prompt")
+        return bytes(packed)
 
     def process(self, request: GenerateRequest) -> TokenizedRequest:
         """Raises APIError for anything the client must fix."""
         check_token_ids(request.sampling.stop_token_ids, self.vocab_size, "stop_token_ids")
-        ids = self.prompt_ids(request)
+        packed = self.prompt_ids(request)
         sampling = resolve_max_tokens(
-            len(ids), request.sampling, self.max_model_len, request.messages is not None
+            len(packed) // 4, request.sampling, self.max_model_len, request.messages is not None
         )
         return TokenizedRequest(
             request_id=request.request_id,
-            prompt_token_ids=pack_ids(ids),
+            prompt_token_ids=packed,
             sampling=sampling,
             arrival_time=request.arrival_time,
         )

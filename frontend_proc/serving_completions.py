@@ -22,7 +22,7 @@ from frontend_proc.serving_common import (
     sub_request_id,
     usage,
 )
-from pegainfer.protocol import GenerateRequest, TextDelta, pack_ids
+from pegainfer.protocol import GenerateRequest, TextDelta
 
 
 def build_sub_requests(request_id: str, request: CompletionRequest) -> list[GenerateRequest]:
@@ -35,7 +35,7 @@ def build_sub_requests(request_id: str, request: CompletionRequest) -> list[Gene
                 GenerateRequest(
                     request_id=sub_request_id(request_id, prompt_index * request.n + k),
                     prompt=prompt if is_text else None,
-                    prompt_token_ids=None if is_text else pack_ids(prompt),
+                    prompt_token_ids=None if is_text else prompt,
                     messages=None,
                     chat_template_kwargs={},
                     add_generation_prompt=False,

@@ -250,12 +250,14 @@ def paged_prefill_attention_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
+    split_seqs: int = 0,
 ) -> torch.Tensor:
     """Causal attention of ``q [T, num_heads, head_dim]`` over the paged cache.
 
     ``max_query_len`` sizes the grid; when 0 it is read from ``query_start_loc`` (one host
     sync, fine for eager prefill). ``max_context_len`` (0: unknown, no split) decides the
-    split over keys unless ``num_splits`` is given. Rows of ``q`` past
+    split over keys unless ``num_splits`` is given, planned for ``split_seqs`` sequences
+    (0: all of the batch's). Rows of ``q`` past
     ``query_start_loc[-1]`` are not written.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -287,7 +289,7 @@ def paged_prefill_attention_triton(
     tiles = cdiv(max_query_len, queries_per_tile)
     if num_splits is None:
         num_splits = choose_prefill_splits(
-            tiles * num_kv_heads * num_seqs, max_context_len, q.device
+            tiles * num_kv_heads * min(split_seqs or num_seqs, num_seqs), max_context_len, q.device
         )
     split = num_splits > 1
     if split:

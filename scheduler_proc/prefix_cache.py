@@ -1,12 +1,14 @@
 """The prefix cache: which KV blocks hold which token prefixes, so requests can share them.
 
-Keys. Full block ``i`` of a sequence (tokens ``i*B .. (i+1)*B - 1``) is keyed by a 128-bit
-BLAKE2b digest of its parent block's digest and its own tokens (packed int32), so a key
-covers every token before it. A digest alone never decides a hit: each entry
+Keys. Full block ``i`` of a sequence (tokens ``i*B .. (i+1)*B - 1``) is keyed by a 64-bit
+hash of its parent block's key and its own tokens (packed int32), so a key covers every
+token before it. Python's ``hash`` is salted per process, which is fine: keys never leave
+the scheduler, and a cryptographic digest would cost the warm time to first token several
+times more (a 4k-token prompt has 256 blocks to key). A key alone never decides a hit: each entry
 (``PrefixNode``) also stores its tokens and its parent entry, and a lookup walks from the
 first block, checking at every block that the entry's parent is the entry matched one block
 earlier and that its tokens equal the request's. By induction a hit holds exactly the
-request's prefix; a digest collision costs a miss, never wrong KV.
+request's prefix; a key collision costs a miss, never wrong KV.
 
 Entries are per content, not per block: requests that computed the same prefix at the same
 time each hold a block with that content, and its node lists them all. A node lives while
@@ -22,22 +24,19 @@ after the computing one, is the first that can read it.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 
-from pegainfer.protocol import pack_ids
 from scheduler_proc.block_manager import BlockManager
 from scheduler_proc.request import Request
 
 logger = logging.getLogger(__name__)
 
-DIGEST_BYTES = 16
-_ROOT_DIGEST = b""
+_ROOT_DIGEST = 0
 
 
-def block_digest(parent_digest: bytes, packed_tokens: bytes) -> bytes:
-    """The key of a block: stable across processes and runs (no salted ``hash``)."""
-    return hashlib.blake2b(parent_digest + packed_tokens, digest_size=DIGEST_BYTES).digest()
+def block_digest(parent_digest: int, packed_tokens: bytes) -> int:
+    """The key of a block, chained over its parent's key."""
+    return hash((parent_digest, packed_tokens))
 
 
 class PrefixNode:
@@ -45,11 +44,11 @@ class PrefixNode:
 
     __slots__ = ("digest", "tokens", "parent", "children", "blocks", "alive")
 
-    def __init__(self, digest: bytes, tokens: bytes, parent: PrefixNode | None) -> None:
+    def __init__(self, digest: int, tokens: bytes, parent: PrefixNode | None) -> None:
         self.digest = digest
         self.tokens = tokens  # packed int32
         self.parent = parent
-        self.children: dict[bytes, PrefixNode] = {}
+        self.children: dict[int, PrefixNode] = {}
         self.blocks: dict[int, None] = {}  # insertion-ordered set of block ids
         self.alive = True
 
@@ -58,7 +57,7 @@ class PrefixCache:
     def __init__(self, block_manager: BlockManager) -> None:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
-        self._index: dict[bytes, PrefixNode] = {}
+        self._index: dict[int, PrefixNode] = {}
         self._block_node: dict[int, PrefixNode] = {}
         block_manager.on_evict = self._on_evict
 
@@ -146,9 +145,9 @@ class PrefixCache:
         if first >= num_blocks:
             return
         size = self.block_size
-        # One pack for all the new blocks, then byte slices: packing per block costs more
-        # than hashing.
-        packed = pack_ids(request.token_slice(first * size, num_blocks * size))
+        # One packed run for all the new blocks, then byte slices: packing per block costs
+        # more than hashing.
+        packed = request.packed_tokens(first * size, num_blocks * size)
         step = 4 * size
         parent = keys[-1][0] if keys else _ROOT_DIGEST
         digest = block_digest

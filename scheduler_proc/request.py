@@ -58,9 +58,9 @@ class Request:
     num_cached_tokens: int = 0
     # Prompt tokens whose KV this request computed, recomputation after preemption included.
     num_computed_prompt_tokens: int = 0
-    # Prefix cache bookkeeping (see prefix_cache.py). ``block_keys[i]`` is the digest and
+    # Prefix cache bookkeeping (see prefix_cache.py). ``block_keys[i]`` is the key and
     # packed tokens of full block i; tokens only ever grow, so the keys survive preemption.
-    block_keys: list[tuple[bytes, bytes]] = field(default_factory=list)
+    block_keys: list[tuple[int, bytes]] = field(default_factory=list)
     # The index entries of this request's leading blocks, one per block, while it runs.
     prefix_nodes: list[PrefixNode] = field(default_factory=list)
     # Set when a block could not be indexed (a digest collision): index nothing further.
@@ -70,11 +70,16 @@ class Request:
     # ``stop_screen_length`` tokens. The defaults send every token to the full check.
     stop_screen_ids: frozenset[int] = frozenset()
     stop_screen_length: int = 0
+    # The prompt packed as int32, as it arrived: a long prompt is sent to the workers and
+    # keyed for the prefix cache without packing it again. Packed here when not given.
+    prompt_packed: bytes = b""
     # The prompt never changes, so its length is kept rather than measured per step.
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        if len(self.prompt_packed) != 4 * self.num_prompt_tokens:
+            self.prompt_packed = pack_ids(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -102,6 +107,16 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def packed_tokens(self, start: int, end: int) -> bytes:
+        """``pack_ids(token_slice(start, end))``; the prompt's part is a slice of its bytes."""
+        num_prompt = self.num_prompt_tokens
+        if end <= num_prompt:
+            return self.prompt_packed[4 * start : 4 * end]
+        outputs = pack_ids(self.output_token_ids[max(start - num_prompt, 0) : end - num_prompt])
+        if start >= num_prompt:
+            return outputs
+        return self.prompt_packed[4 * start :] + outputs
 
     @property
     def is_finished(self) -> bool:

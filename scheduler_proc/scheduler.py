@@ -168,6 +168,7 @@ class Scheduler(ResultIntake):
         request = Request(
             request_id=tokenized.request_id,
             prompt_token_ids=checked,
+            prompt_packed=tokenized.prompt_token_ids,
             sampling=tokenized.sampling,
             arrival_time=tokenized.arrival_time,
             arrival_index=self._next_arrival_index,

@@ -31,7 +31,7 @@ class StepBuilder:
         self.new_seqs.append(
             NewSequence(
                 seq_id=request.seq_id,
-                token_ids=pack_ids(request.all_token_ids),
+                token_ids=request.packed_tokens(0, request.num_tokens),
                 sampling=request.sampling,
                 num_prompt_tokens=request.num_prompt_tokens,
             )

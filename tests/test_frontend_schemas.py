@@ -11,6 +11,7 @@ from frontend_proc.schemas import (
     parse_chat_request,
     parse_completion_request,
 )
+from pegainfer.protocol import pack_ids
 
 MODEL = "served-model"
 CHAT = [{"role": "user", "content": "hi"}]
@@ -39,6 +40,11 @@ COMPLETION_ERRORS = [
     (completion(prompt=[1, -5]), 400, "invalid_request_error", "prompt"),
     (completion(prompt=[1, 2**40]), 400, "invalid_request_error", "prompt"),
     (completion(prompt=[True, False]), 400, "invalid_request_error", "prompt"),
+    (completion(prompt=[1, True]), 400, "invalid_request_error", "prompt"),
+    (completion(prompt=[1, 2.0]), 400, "invalid_request_error", "prompt"),
+    (completion(prompt=[1, 2**31]), 400, "invalid_request_error", "prompt"),
+    (completion(prompt=[-1, 1]), 400, "invalid_request_error", "prompt"),
+    (completion(prompt=[[3], [4, -(2**31)]]), 400, "invalid_request_error", "prompt"),
     (completion(prompt={"text": "x"}), 400, "invalid_request_error", "prompt"),
     (completion(max_tokens="ten"), 400, "invalid_request_error", "max_tokens"),
     (completion(max_tokens=0), 400, "invalid_request_error", "max_tokens"),
@@ -205,7 +211,7 @@ def test_completion_fields_reach_sampling_params():
         ),
         MODEL,
     )
-    assert request.prompts == [[1, 2], [3]]
+    assert request.prompts == [pack_ids([1, 2]), pack_ids([3])]
     assert (request.n, request.stream, request.include_usage, request.user) == (3, True, True, "u1")
     s = request.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p) == (7, 0.0, 0.5, -1, 0.1)
@@ -225,8 +231,9 @@ def test_completion_fields_reach_sampling_params():
     [
         ("a", ["a"]),
         (["a", "b"], ["a", "b"]),
-        ([5, 6, 7], [[5, 6, 7]]),
-        ([[5], [6, 7]], [[5], [6, 7]]),
+        ([5, 6, 7], [pack_ids([5, 6, 7])]),
+        ([[5], [6, 7]], [pack_ids([5]), pack_ids([6, 7])]),
+        ([0, 2**31 - 1], [pack_ids([0, 2**31 - 1])]),
     ],
 )
 def test_prompt_shapes(prompt, expected):

@@ -25,7 +25,11 @@ from triton_test_util import (
 
 from kernels.attention import paged_attention_ref, paged_attention_triton, store_kv_ref
 from kernels.decode_attention import paged_decode_attention_triton
-from kernels.prefill_attention import paged_prefill_attention_triton
+from kernels.prefill_attention import (
+    MAX_SPLITS,
+    choose_prefill_splits,
+    paged_prefill_attention_triton,
+)
 
 pytestmark = requires_triton
 
@@ -203,6 +207,29 @@ def test_prefill_split_over_keys_equals_one_pass(num_splits, dtype):
     assert out[q.shape[0] :].isnan().all(), "padding tokens must not be written"
 
 
+def test_prefill_split_planned_for_one_sequence_of_a_padded_batch():
+    """As a captured prefill graph runs it: room for four sequences, one real, a context
+    bound far above the real one. Planned for one sequence, the keys split many ways, most
+    splits find no key of their sequence, and the result is still exact."""
+    cases = [(90, 5)]
+    q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(
+        cases, 8, 2, 16, 4, torch.float32, SEED + 31
+    )
+    expected = paged_attention_ref(q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 5, 90)
+    pad_tables = torch.cat([tables, tables.new_zeros((3, tables.shape[1]))])
+    pad_lens = torch.cat([ctx_lens, ctx_lens.new_zeros(3)])
+    pad_qsl = torch.cat([qsl, qsl[-1:].repeat(3)])
+    # Qwen3-4B's 32-token graph: 2 tiles x 8 KV heads for one sequence, or for four.
+    assert choose_prefill_splits(2 * 8, 8192, q.device) == MAX_SPLITS
+    assert choose_prefill_splits(2 * 8 * 4, 8192, q.device) < MAX_SPLITS
+    with poisoned():
+        out = paged_prefill_attention_triton(
+            q, k_cache, v_cache, pad_tables, pad_lens, pad_qsl, 0.25, 5, 8192,
+            block_m=16, block_n=16, split_seqs=1,
+        )  # fmt: skip
+    check(out, expected, "prefill split for one of four sequence slots")
+
+
 # --------------------------------------------------------------------------- realistic (GPU)
 
 QWEN3_4B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
@@ -226,18 +253,27 @@ def test_decode_attention_qwen3_4b_shapes(batch, max_ctx):
 
 @gpu_only
 @pytest.mark.parametrize(
-    "cases", [[(2048, 2048)], [(4096, 1024), (600, 600), (300, 1)], [(4096, 32)], [(16384, 32)]]
+    "cases,split_seqs",
+    [
+        ([(2048, 2048)], 0),
+        ([(4096, 1024), (600, 600), (300, 1)], 0),
+        ([(4096, 32)], 0),
+        ([(16384, 32)], 0),
+        ([(4096, 32), (100, 20)], 1),  # a prefill graph's plan: split for one sequence
+    ],
 )
-def test_prefill_attention_qwen3_4b_shapes(cases):
+def test_prefill_attention_qwen3_4b_shapes(cases, split_seqs):
     q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(
         cases, **QWEN3_4B, block_size=16, dtype=torch.bfloat16, seed=SEED
     )
     scale = 128**-0.5
     max_q, max_c = max(c[1] for c in cases), max(c[0] for c in cases)
     expected = paged_attention_ref(q, k_cache, v_cache, tables, ctx_lens, qsl, scale, max_q, max_c)
+    # A split plan for one sequence sizes its grid from the model's context bound.
+    bound = 40960 if split_seqs else max_c
     with poisoned():
         out = paged_attention_triton(
-            q, k_cache, v_cache, tables, ctx_lens, qsl, scale, max_q, max_c
+            q, k_cache, v_cache, tables, ctx_lens, qsl, scale, max_q, bound, split_seqs
         )
     check(out, expected, "prefill")
 

@@ -7,8 +7,6 @@ strict worker asserts it read its own prefix.
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
@@ -17,6 +15,7 @@ from pegainfer.protocol import SamplingParams, pack_ids, unpack_ids
 from scheduler_proc import prefix_cache
 from scheduler_proc.block_manager import BlockState, blocks_for_tokens
 from scheduler_proc.prefix_cache import block_digest
+from scheduler_proc.request import Request
 from tests.scheduler_sim import (
     Harness,
     SimWorker,
@@ -49,16 +48,34 @@ def new_seq_plan(harness: Harness, request_id_prompt: list[int]):
 # -- keys -----------------------------------------------------------------------------------
 
 
-def test_digest_is_a_stable_128_bit_blake2b_over_parent_and_tokens() -> None:
+def test_key_is_chained_over_parent_and_tokens() -> None:
     tokens = pack_ids([1, 2, 3, 4])
-    digest = block_digest(b"", tokens)
-    assert len(digest) == 16
-    assert digest == hashlib.blake2b(tokens, digest_size=16).digest()
+    digest = block_digest(0, tokens)
+    assert digest == block_digest(0, pack_ids([1, 2, 3, 4]))
+    assert digest != block_digest(0, pack_ids([1, 2, 3, 5]))
     # Chained: the same tokens after a different prefix get a different key.
     assert block_digest(digest, tokens) != digest
-    assert block_digest(block_digest(b"", pack_ids([9, 9, 9, 9])), tokens) != block_digest(
+    assert block_digest(block_digest(0, pack_ids([9, 9, 9, 9])), tokens) != block_digest(
         digest, tokens
     )
+
+
+def test_request_packed_tokens_equal_packing_the_token_slice() -> None:
+    request = Request(
+        request_id="r",
+        prompt_token_ids=[5, 6, 7, 8, 9],
+        prompt_packed=pack_ids([5, 6, 7, 8, 9]),
+        sampling=SamplingParams(),
+        arrival_time=0.0,
+        arrival_index=0,
+    )
+    request.output_token_ids = [10, 11, 12]
+    for start in range(9):
+        for end in range(start, 9):
+            assert request.packed_tokens(start, end) == pack_ids(request.token_slice(start, end))
+    # A prompt_packed that does not match the prompt's length is rebuilt.
+    rebuilt = Request("q", [1, 2], SamplingParams(), 0.0, 0, prompt_packed=b"")
+    assert rebuilt.prompt_packed == pack_ids([1, 2])
 
 
 # -- hits -----------------------------------------------------------------------------------
@@ -232,7 +249,7 @@ def test_the_simulated_worker_notices_a_block_of_another_prefix() -> None:
         cache = harness.scheduler.prefix_cache
         (node,) = cache._index.values()
         node.tokens = pack_ids([8, 8, 8, 8])  # the entry now claims other tokens
-        node.digest = block_digest(b"", node.tokens)
+        node.digest = block_digest(0, node.tokens)
         cache._index = {node.digest: node}
         harness.add(make_request("b", [8, 8, 8, 8, 9], max_tokens=3, ignore_eos=True))
         if strict:

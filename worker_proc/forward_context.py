@@ -22,6 +22,11 @@ class ForwardContext:
     context_lens:     [num_seqs] int32, tokens in the cache after this step (incl. new ones)
     query_lens:       [num_seqs] int32, new tokens of each sequence this step
     query_start_loc:  [num_seqs + 1] int32, prefix sums of query_lens
+
+    ``split_seqs``: how many sequences prefill attention plans its split over keys for;
+    0 means ``num_seqs``. A captured prefill graph has room for several sequences but
+    mostly replays one (a prompt's tail after a prefix-cache hit), which alone must fill
+    the GPU.
     """
 
     slot_mapping: torch.Tensor
@@ -33,6 +38,7 @@ class ForwardContext:
     max_context_len: int
     num_seqs: int
     num_tokens: int
+    split_seqs: int = 0
 
     @property
     def is_decode_only(self) -> bool:

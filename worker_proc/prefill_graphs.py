@@ -7,6 +7,9 @@ are padded up to the next captured token count and replayed, exactly as decode b
 (worker_proc/cuda_graphs.py), only with the prefill attention path: the graph is captured
 with ``max_query_len`` equal to its token count, so the attention grid covers any batch it
 is given; the kernel reads each sequence's real query and context lengths from the device.
+Its split over keys is planned for one sequence with a context as long as the model's, so a
+lone tail over a long cached prefix spreads over the whole GPU (a split past a sequence's
+context exits at once).
 
 Padding: tokens past the batch read id 0 at position 0, write no KV (slot -1) and belong to
 no sequence (``query_start_loc`` stays at the real token count), so attention skips them;
@@ -76,6 +79,7 @@ class PrefillGraphs:
             max_context_len=self.max_model_len,
             num_seqs=self.max_seqs,
             num_tokens=tokens,
+            split_seqs=1,
         )
 
     def capture(

@@ -79,6 +79,7 @@ class Attention(nn.Module):
             self.scale,
             ctx.max_query_len,
             ctx.max_context_len,
+            ctx.split_seqs,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
