@@ -65,7 +65,9 @@ class LiveSequences:
         if not token_ids:
             raise PlanError(f"new sequence {new.seq_id} has no tokens")
         vocab = self.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
+        # On the packed bytes: a long prompt's range check is on its time to first token.
+        packed = np.frombuffer(new.token_ids, dtype="<i4")
+        if packed.min() < 0 or packed.max() >= vocab:
             raise PlanError(f"sequence {new.seq_id} has token ids outside [0, {vocab})")
         self.seqs[new.seq_id] = SequenceState(
             seq_id=new.seq_id,
