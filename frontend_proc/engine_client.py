@@ -1,7 +1,8 @@
 """The frontend's side of the process tree: send requests in, route text deltas back.
 
-Requests go to the tokenizers (a PUSH the frontend binds; ZeroMQ spreads them round-robin);
-aborts go straight to the scheduler. One background task reads the ``frontend`` socket and
+Requests go to the tokenizers (a PUSH the frontend binds; ZeroMQ spreads them round-robin),
+except token-id prompts the frontend has checked itself, which go straight to the scheduler
+as TokenizedRequests (one hop less on their time to first token), as aborts do. One background task reads the ``frontend`` socket and
 hands each TextDelta or RequestRejected to the queue of its request id. Output for an id with
 no queue (an aborted request's last step) is dropped.
 
@@ -40,6 +41,7 @@ from pegainfer.protocol import (
     RequestRejected,
     TextDelta,
     TextOutputs,
+    TokenizedRequest,
     TokenizeRequest,
     TokenizeResult,
     unpack_ids,
@@ -71,7 +73,7 @@ _CallAnswer = TokenizeResult | DetokenizeResult | RequestRejected
 class EngineClientProtocol(Protocol):
     """What the HTTP layer needs from the engine; tests substitute a fake."""
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[TextDelta]: ...
+    def generate(self, request: GenerateRequest | TokenizedRequest) -> AsyncIterator[TextDelta]: ...
 
     def abort(self, request_ids: list[str]) -> None: ...
 
@@ -204,8 +206,13 @@ class EngineClient:
         except zmq.ZMQError:
             logger.exception("could not report the drain to the launcher")
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TextDelta]:
+    async def generate(
+        self, request: GenerateRequest | TokenizedRequest
+    ) -> AsyncIterator[TextDelta]:
         """The text deltas of one request until it finishes; a rejection raises APIError.
+
+        A ``GenerateRequest`` goes to a tokenizer process; a ``TokenizedRequest`` (token ids
+        the frontend has checked itself) straight to the scheduler.
 
         The queue lives exactly as long as this generator, so a consumer that stops early (or is
         cancelled) leaves nothing behind; telling the scheduler to stop is the caller's job
@@ -221,7 +228,10 @@ class EngineClient:
         self._unstarted.add(request_id)
         timing = _RequestTiming(request_id, request.arrival_time, self.metrics)
         try:
-            ipc.send(self._to_tokenizers, request)
+            if isinstance(request, TokenizedRequest):
+                ipc.send(self._to_scheduler, request)
+            else:
+                ipc.send(self._to_tokenizers, request)
             while True:
                 item = await queue.get()
                 if isinstance(item, _Failure):

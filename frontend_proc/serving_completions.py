@@ -9,6 +9,8 @@ from typing import Any
 from aiohttp import web
 
 from frontend_proc.fanout import FanOut
+from frontend_proc.fields import check_token_ids
+from frontend_proc.limits import resolve_max_tokens
 from frontend_proc.logprobs import TokenEntry, completion_logprobs, entries
 from frontend_proc.schemas import CompletionRequest, parse_completion_request
 from frontend_proc.serving_common import (
@@ -22,28 +24,60 @@ from frontend_proc.serving_common import (
     sub_request_id,
     usage,
 )
-from pegainfer.protocol import GenerateRequest, TextDelta
+from pegainfer.protocol import (
+    GenerateRequest,
+    SamplingParams,
+    TextDelta,
+    TokenizedRequest,
+    unpack_ids,
+)
 
 
-def build_sub_requests(request_id: str, request: CompletionRequest) -> list[GenerateRequest]:
+def build_sub_requests(
+    request_id: str, request: CompletionRequest, ctx: ServingContext
+) -> list[GenerateRequest | TokenizedRequest]:
+    """One request per prompt and choice. Token-id prompts are checked here when the
+    vocabulary is known, and skip the tokenizer; text goes to a tokenizer."""
     arrival_time = time.time()
-    subs = []
+    subs: list[GenerateRequest | TokenizedRequest] = []
     for prompt_index, prompt in enumerate(request.prompts):
+        direct = isinstance(prompt, bytes) and ctx.vocab_size is not None
+        sampling = checked_id_prompt(prompt, request, ctx) if direct else request.sampling
         for k in range(request.n):
+            sub_id = sub_request_id(request_id, prompt_index * request.n + k)
+            choice_sampling = sampling_for_choice(sampling, k)
+            if direct:
+                subs.append(TokenizedRequest(sub_id, prompt, choice_sampling, arrival_time))
+                continue
             is_text = isinstance(prompt, str)
             subs.append(
                 GenerateRequest(
-                    request_id=sub_request_id(request_id, prompt_index * request.n + k),
+                    request_id=sub_id,
                     prompt=prompt if is_text else None,
                     prompt_token_ids=None if is_text else prompt,
                     messages=None,
                     chat_template_kwargs={},
                     add_generation_prompt=False,
-                    sampling=sampling_for_choice(request.sampling, k),
+                    sampling=choice_sampling,
                     arrival_time=arrival_time,
                 )
             )
     return subs
+
+
+def checked_id_prompt(
+    prompt: bytes, request: CompletionRequest, ctx: ServingContext
+) -> SamplingParams:
+    """What a tokenizer process checks of a token-id prompt (every id names a token, and so
+    does every stop token id; the prompt fits the context window), here; returns the
+    sampling settings with ``max_tokens`` resolved. Raises APIError (400)."""
+    check_token_ids(request.sampling.stop_token_ids, ctx.vocab_size, "stop_token_ids")
+    ids = unpack_ids(prompt)
+    # The parse left no negative id, so one pass for the largest will do; the full check
+    # then names the offender.
+    if max(ids) >= ctx.vocab_size:
+        check_token_ids(ids, ctx.vocab_size, "prompt")
+    return resolve_max_tokens(len(prompt) // 4, request.sampling, ctx.max_model_len, False)
 
 
 def _echo_prefix(request: CompletionRequest, index: int) -> str:
@@ -81,7 +115,7 @@ async def create_completion(
     request = parse_completion_request(body, ctx.served_model_name)
     request_id = new_request_id("cmpl")
     created = int(time.time())
-    subs = build_sub_requests(request_id, request)
+    subs = build_sub_requests(request_id, request, ctx)
     states = [ChoiceState() for _ in subs]
     header = {
         "id": request_id,

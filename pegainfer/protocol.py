@@ -228,7 +228,8 @@ class GenerateRequest:
 @message(3)
 @dataclass
 class TokenizedRequest:
-    """Tokenizer to scheduler: a validated request with its prompt token ids."""
+    """To the scheduler, from a tokenizer (or from the frontend, for a token-id prompt it
+    checked itself): a validated request with its prompt token ids."""
 
     request_id: str
     prompt_token_ids: bytes  # packed int32

@@ -15,7 +15,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from frontend_proc.chat_template import ChatTemplate
 from frontend_proc.errors import APIError
-from frontend_proc.preprocess import FILL_CONTEXT, Preprocessor, handle, resolve_max_tokens
+from frontend_proc.limits import FILL_CONTEXT, resolve_max_tokens
+from frontend_proc.preprocess import Preprocessor, handle
 from pegainfer import ipc
 from pegainfer.config import EngineConfig, ModelInfo
 from pegainfer.protocol import (
