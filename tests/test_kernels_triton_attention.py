@@ -24,6 +24,7 @@ from triton_test_util import (
 )
 
 from kernels.attention import paged_attention_ref, paged_attention_triton, store_kv_ref
+from kernels.attention_merge import split_counters
 from kernels.decode_attention import paged_decode_attention_triton
 from kernels.prefill_attention import (
     MAX_SPLITS,
@@ -228,6 +229,56 @@ def test_prefill_split_planned_for_one_sequence_of_a_padded_batch():
             block_m=16, block_n=16, split_seqs=1,
         )  # fmt: skip
     check(out, expected, "prefill split for one of four sequence slots")
+
+
+def counters_at_rest() -> bool:
+    """The split counters are all back at 0 (the last program of each group resets its)."""
+    return not split_counters(0, DEVICE).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_sixteen_splits_twice(dtype):
+    """16 key splits and their merge: odd contexts, several sequences, GQA over two KV
+    heads, splits with no key of their tile; a second launch on the same scratch, with new
+    queries, is exact too."""
+    cases = [(301, 7), (211, 1), (97, 4)]
+    q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(cases, 8, 2, 16, 4, dtype, SEED + 41)
+    for attempt in range(2):
+        if attempt:
+            q = randn(*q.shape, g=gen(42), dtype=dtype)
+        expected = paged_attention_ref(q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 7, 301)
+        with poisoned():
+            out = paged_prefill_attention_triton(
+                q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 7, 301,
+                block_m=16, block_n=16, num_splits=16,
+            )  # fmt: skip
+        check(out, expected, f"prefill, 16 splits, launch {attempt}")
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (2, 2)])
+def test_decode_sixteen_splits_merged_in_the_kernel_twice(num_heads, num_kv_heads):
+    """Decode over up to 16 splits (used counts differ per sequence, a context-0 padding
+    row uses none) merged by each sequence's last program, launched twice on the same
+    counters."""
+    contexts = [700, 257, 33, 1]
+    q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(
+        [(c, 1) for c in contexts], num_heads, num_kv_heads, 16, 4, torch.float32, SEED + 43
+    )
+    pad_tables = torch.cat([tables, torch.zeros_like(tables[:1])])
+    pad_lens = torch.cat([ctx_lens, torch.zeros_like(ctx_lens[:1])])
+    for attempt in range(2):
+        q = randn(len(contexts) + 1, num_heads, 16, g=gen(44 + attempt), dtype=torch.float32)
+        expected = paged_attention_ref(
+            q[:-1], k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 1, 700
+        )
+        with poisoned():
+            out = paged_decode_attention_triton(
+                q, k_cache, v_cache, pad_tables, pad_lens, 0.25, 700,
+                max_splits=16, min_split_tokens=16, block_n=16,
+            )  # fmt: skip
+        check(out[:-1], expected, f"decode, 16 splits, launch {attempt}")
+        assert torch.equal(out[-1], torch.zeros_like(out[-1])), "context-0 row"
+        assert counters_at_rest(), f"launch {attempt} left a counter set"
 
 
 # --------------------------------------------------------------------------- realistic (GPU)
