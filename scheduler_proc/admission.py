@@ -9,10 +9,12 @@ malformed message.
 from __future__ import annotations
 
 import logging
+import sys
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pegainfer.protocol import ProtocolError, RequestRejected, TokenizedRequest, unpack_ids
+from pegainfer.protocol import ProtocolError, RequestRejected, TokenizedRequest
 from scheduler_proc.block_manager import BlockManager, blocks_for_tokens
 from scheduler_proc.prefix_cache import PrefixCache, PrefixNode
 from scheduler_proc.request import Request
@@ -28,12 +30,12 @@ def check_admission(
     max_model_len: int,
     num_blocks: int,
     block_size: int,
-) -> list[int] | RequestRejected:
+) -> array | RequestRejected:
     """The request's prompt token ids, or why it is refused (a 400)."""
     request_id = tokenized.request_id
     sampling = tokenized.sampling
     try:
-        prompt = unpack_ids(tokenized.prompt_token_ids)
+        prompt = prompt_ids(tokenized.prompt_token_ids)
     except ProtocolError as exc:
         return reject(request_id, f"malformed prompt token ids: {exc}", "prompt")
     if request_id in ids_in_use:
@@ -62,6 +64,19 @@ def check_admission(
             "max_tokens",
         )
     return prompt
+
+
+def prompt_ids(packed: bytes) -> array:
+    """Packed int32 ids as an int32 array: one copy of the bytes. A list would hold an int
+    object per token, thousands for a long prompt, to make on arrival and free at the end,
+    and for the garbage collector to walk while the request lives."""
+    if len(packed) % 4:
+        raise ProtocolError(f"packed id buffer of {len(packed)} bytes is not a multiple of 4")
+    ids = array("i")
+    ids.frombytes(packed)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids
 
 
 def reject(request_id: str, message: str, param: str | None) -> RequestRejected:

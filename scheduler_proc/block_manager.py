@@ -127,14 +127,20 @@ class BlockManager:
 
     def incref(self, block_ids: list[int]) -> None:
         """One more reference to each block: share an owned block, or take a cached one
-        back (it stops being evictable)."""
+        back (it stops being evictable).
+
+        A warm admission takes a reference to every block of a long cached prefix, so the
+        loops work on locals."""
+        ref_counts = self._ref_counts
+        cached = self._cached
         for block_id in block_ids:
-            if self._ref_counts[block_id] <= 0 and block_id not in self._cached:
+            if ref_counts[block_id] <= 0 and block_id not in cached:
                 raise ValueError(f"block {block_id} is free; its content cannot be shared")
         for block_id in block_ids:
-            if self._ref_counts[block_id] == 0:
-                del self._cached[block_id]
-            self._ref_counts[block_id] += 1
+            count = ref_counts[block_id]
+            if count == 0:
+                del cached[block_id]
+            ref_counts[block_id] = count + 1
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference to each block. A block nobody references becomes cached if its
@@ -143,16 +149,21 @@ class BlockManager:
         Blocks are released in reverse order, so that the tail of a sequence (the part least
         likely to be shared) is evicted or reused first.
         """
+        ref_counts = self._ref_counts
         for block_id in block_ids:
-            if self._ref_counts[block_id] <= 0:
+            if ref_counts[block_id] <= 0:
                 raise ValueError(f"block {block_id} freed more times than it was allocated")
+        reusable = self._reusable
+        cached = self._cached
+        free = self._free
         for block_id in reversed(block_ids):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                if block_id in self._reusable:
-                    self._cached[block_id] = None
+            count = ref_counts[block_id] - 1
+            ref_counts[block_id] = count
+            if count == 0:
+                if block_id in reusable:
+                    cached[block_id] = None
                 else:
-                    self._free.append(block_id)
+                    free.append(block_id)
 
     def mark_reusable(self, block_id: int) -> None:
         """An owned block now holds indexed content: keep it cached when it is released."""

@@ -1,5 +1,6 @@
 """Taking in a step's result: each sampled token appended to its request, stops checked,
-one output per token for the detokenizer (``Scheduler.on_step_result``).
+one output per token for the detokenizer (``Scheduler.on_step_result``, or
+``apply_step_result``, which leaves the finished requests' blocks to ``run_deferred``).
 
 A part of ``Scheduler`` (scheduler.py), which owns the state named below; kept apart
 because every decode step runs its loop over the whole batch, so it is written for speed:
@@ -32,16 +33,22 @@ class ResultIntake:
     generation_tokens_total: int
     prompt_tokens_total: int
 
-    # Defined by Scheduler.
-    def flush_prefix_cache(self) -> None:
-        raise NotImplementedError
-
-    def _finish(self, request: Request, finish_reason: str, stop_reason: int | str | None) -> None:
-        raise NotImplementedError
+    # Methods of the other parts (annotations only: nothing here shadows them).
+    run_deferred: Callable[[], None]
+    _finish: Callable[[Request, str, int | str | None], None]
 
     def on_step_result(self, result: StepResult) -> list[SeqOutput]:
-        """Take one step's sampled tokens: append them, check stops, report every change."""
-        self.flush_prefix_cache()
+        """``apply_step_result``, and the deferred bookkeeping (finished requests' blocks
+        freed) at once."""
+        outputs = self.apply_step_result(result)
+        self.run_deferred()
+        return outputs
+
+    def apply_step_result(self, result: StepResult) -> list[SeqOutput]:
+        """Take one step's sampled tokens: append them, check stops, report every change.
+        The requests it finishes keep their blocks until the next ``run_deferred``, which the
+        process calls once the outputs are sent."""
+        self.run_deferred()
         samplers = self._in_flight.pop(result.step_id, None)
         if samplers is None:
             logger.warning("dropped a result for step %d, which is not in flight", result.step_id)

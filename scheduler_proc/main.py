@@ -101,7 +101,7 @@ class SchedulerLoop:
                 raise WorkerFailed(f"step {msg.step_id} failed on the worker: {msg.error}")
             self.step_clock.done(msg.step_id)
             owners = self.extras.owners(msg, self.scheduler.request_of_seq)
-            outputs = self.scheduler.on_step_result(msg)
+            outputs = self.scheduler.apply_step_result(msg)
             outputs = self.extras.decorate(outputs, msg, owners)
         elif isinstance(msg, TokenizedRequest):
             rejection = self.scheduler.add_request(msg)
@@ -111,12 +111,14 @@ class SchedulerLoop:
                 self.extras.on_admitted(msg.request_id, msg.sampling)
             return
         elif isinstance(msg, AbortRequests):
-            outputs = self.extras.decorate(self.scheduler.abort(msg.request_ids))
+            outputs = self.extras.decorate(self.scheduler.apply_aborts(msg.request_ids))
         else:
             logger.warning("ignored an unexpected %s", type(msg).__name__)
             return
         if outputs:
             ipc.send(self.detokenizer, TokenOutputs(outputs=outputs))
+        # Only now, with the tokens on their way: free finished requests' blocks, log them.
+        self.scheduler.run_deferred()
 
     def _ready_to_plan(self) -> bool:
         return (
@@ -139,6 +141,11 @@ class SchedulerLoop:
                 return
             data = encode(plan)  # encoded once, the same bytes to every rank
             self.step_clock.sent(plan.step_id)
+            for worker in self.workers:
+                worker.send(data, copy=False)
+            # While the workers run the step: the tap's copies, and what the plan did not need.
+            for worker in self.workers:
+                ipc.mirror(worker, data)
             if plan.new_seqs:
                 self.extras.on_planned(
                     [
@@ -147,11 +154,7 @@ class SchedulerLoop:
                         if (request := self.scheduler.request_of_seq(new.seq_id)) is not None
                     ]
                 )
-            for worker in self.workers:
-                worker.send(data, copy=False)
-                ipc.mirror(worker, data)
-            # While the workers run the step: index its blocks in the prefix cache.
-            self.scheduler.flush_prefix_cache()
+            self.scheduler.run_deferred()  # index its blocks in the prefix cache, log
 
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()

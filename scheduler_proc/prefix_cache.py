@@ -1,14 +1,12 @@
 """The prefix cache: which KV blocks hold which token prefixes, so requests can share them.
 
-Keys. Full block ``i`` of a sequence (tokens ``i*B .. (i+1)*B - 1``) is keyed by a 64-bit
-hash of its parent block's key and its own tokens (packed int32), so a key covers every
-token before it. Python's ``hash`` is salted per process, which is fine: keys never leave
-the scheduler, and a cryptographic digest would cost the warm time to first token several
-times more (a 4k-token prompt has 256 blocks to key). A key alone never decides a hit: each entry
-(``PrefixNode``) also stores its tokens and its parent entry, and a lookup walks from the
-first block, checking at every block that the entry's parent is the entry matched one block
-earlier and that its tokens equal the request's. By induction a hit holds exactly the
-request's prefix; a key collision costs a miss, never wrong KV.
+A trie of full blocks. Full block ``i`` of a sequence (tokens ``i*B .. (i+1)*B - 1``) is an
+entry (``PrefixNode``) under the entry of block ``i - 1``, filed by its tokens (packed
+int32 bytes, the dict key); the entries of first blocks are the roots. A lookup walks down
+from the roots one block at a time, so a hit holds exactly the request's prefix: equal
+tokens at every block, not an equal hash. A walk costs one bytes slice and one dict lookup
+per block, and nothing is hashed ahead: a warm 4k-token prompt walks 254 blocks on its way
+to the first token.
 
 Entries are per content, not per block: requests that computed the same prefix at the same
 time each hold a block with that content, and its node lists them all. A node lives while
@@ -24,32 +22,24 @@ after the computing one, is the first that can read it.
 
 from __future__ import annotations
 
-import logging
-
 from scheduler_proc.block_manager import BlockManager
 from scheduler_proc.request import Request
 
-logger = logging.getLogger(__name__)
-
-_ROOT_DIGEST = 0
-
-
-def block_digest(parent_digest: int, packed_tokens: bytes) -> int:
-    """The key of a block, chained over its parent's key."""
-    return hash((parent_digest, packed_tokens))
-
 
 class PrefixNode:
-    """One indexed block content: a digest, its tokens, its parent, the blocks holding it."""
+    """One indexed block content: its tokens, its parent, its children, the blocks holding
+    it."""
 
-    __slots__ = ("digest", "tokens", "parent", "children", "blocks", "alive")
+    __slots__ = ("tokens", "parent", "children", "blocks", "block", "alive")
 
-    def __init__(self, digest: int, tokens: bytes, parent: PrefixNode | None) -> None:
-        self.digest = digest
-        self.tokens = tokens  # packed int32
+    def __init__(self, tokens: bytes, parent: PrefixNode | None) -> None:
+        self.tokens = tokens  # packed int32, also its key among its siblings
         self.parent = parent
-        self.children: dict[int, PrefixNode] = {}
+        self.children: dict[bytes, PrefixNode] = {}
         self.blocks: dict[int, None] = {}  # insertion-ordered set of block ids
+        # The oldest of ``blocks``, the one a hit puts in a block table: kept, not looked up,
+        # because a warm admission reads it for every block of a long prompt.
+        self.block = -1
         self.alive = True
 
 
@@ -57,13 +47,14 @@ class PrefixCache:
     def __init__(self, block_manager: BlockManager) -> None:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
-        self._index: dict[int, PrefixNode] = {}
+        self._roots: dict[bytes, PrefixNode] = {}
+        self._num_nodes = 0
         self._block_node: dict[int, PrefixNode] = {}
         block_manager.on_evict = self._on_evict
 
     def __len__(self) -> int:
         """The number of live entries (distinct cached block contents)."""
-        return len(self._index)
+        return self._num_nodes
 
     @property
     def num_indexed_blocks(self) -> int:
@@ -78,23 +69,25 @@ class PrefixCache:
         token), so at most ``num_tokens - 1`` tokens, rounded down to full blocks, match.
         """
         max_blocks = (request.num_tokens - 1) // self.block_size
-        if max_blocks <= 0 or not self._index:
+        if max_blocks <= 0 or not self._roots:
             return []
-        self._extend_keys(request, max_blocks)
+        packed = request.packed_tokens(0, max_blocks * self.block_size)
+        step = 4 * self.block_size
         nodes: list[PrefixNode] = []
-        parent: PrefixNode | None = None
-        for digest, tokens in request.block_keys[:max_blocks]:
-            node = self._index.get(digest)
-            if node is None or node.parent is not parent or node.tokens != tokens:
+        add_node = nodes.append
+        level = self._roots
+        for offset in range(0, len(packed), step):
+            node = level.get(packed[offset : offset + step])
+            if node is None:
                 break
-            nodes.append(node)
-            parent = node
+            add_node(node)
+            level = node.children
         return nodes
 
     @staticmethod
     def blocks_of(nodes: list[PrefixNode]) -> list[int]:
         """One block holding each entry's content, to put in a block table."""
-        return [next(iter(node.blocks)) for node in nodes]
+        return [node.block for node in nodes]
 
     # -- indexing --------------------------------------------------------------------------
 
@@ -103,58 +96,37 @@ class PrefixCache:
         if request.prefix_chain_broken:
             return
         done = len(request.prefix_nodes)
-        upto = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        size = self.block_size
+        upto = min(request.num_computed_tokens, request.num_tokens) // size
         if upto <= done:
             return
-        self._extend_keys(request, upto)
+        # One packed run for all the new blocks, then byte slices: packing per block costs
+        # more than the lookups.
+        packed = request.packed_tokens(done * size, upto * size)
+        step = 4 * size
         parent = request.prefix_nodes[-1] if done else None
         for index in range(done, upto):
             if parent is not None and not parent.alive:
                 request.prefix_chain_broken = True  # its prefix is gone from the index
                 return
-            digest, tokens = request.block_keys[index]
-            block_id = request.block_ids[index]
-            node = self._index.get(digest)
+            offset = (index - done) * step
+            tokens = packed[offset : offset + step]
+            level = parent.children if parent is not None else self._roots
+            node = level.get(tokens)
             if node is None:
-                node = PrefixNode(digest, tokens, parent)
-                self._index[digest] = node
-                if parent is not None:
-                    parent.children[digest] = node
-            elif node.parent is not parent or node.tokens != tokens:
-                logger.warning(
-                    "prefix cache: digest collision at block %d of request %s; not indexed",
-                    index,
-                    request.request_id,
-                )
-                request.prefix_chain_broken = True
-                return
+                node = level[tokens] = PrefixNode(tokens, parent)
+                self._num_nodes += 1
+            block_id = request.block_ids[index]
             if block_id not in node.blocks:
                 # A block computed alongside an equal one of another request: index it too,
                 # so the content survives as long as either block does.
+                if not node.blocks:
+                    node.block = block_id
                 node.blocks[block_id] = None
                 self._block_node[block_id] = node
                 self.block_manager.mark_reusable(block_id)
             request.prefix_nodes.append(node)
             parent = node
-
-    def _extend_keys(self, request: Request, num_blocks: int) -> None:
-        """Compute the keys of the request's first ``num_blocks`` full blocks (their tokens
-        must be known)."""
-        keys = request.block_keys
-        first = len(keys)
-        if first >= num_blocks:
-            return
-        size = self.block_size
-        # One packed run for all the new blocks, then byte slices: packing per block costs
-        # more than hashing.
-        packed = request.packed_tokens(first * size, num_blocks * size)
-        step = 4 * size
-        parent = keys[-1][0] if keys else _ROOT_DIGEST
-        digest = block_digest
-        for offset in range(0, len(packed), step):
-            tokens = packed[offset : offset + step]
-            parent = digest(parent, tokens)
-            keys.append((parent, tokens))
 
     # -- eviction --------------------------------------------------------------------------
 
@@ -165,17 +137,18 @@ class PrefixCache:
         del node.blocks[block_id]
         if not node.blocks:
             self._kill(node)
+        elif node.block == block_id:
+            node.block = next(iter(node.blocks))
 
     def _kill(self, node: PrefixNode) -> None:
         """Remove a node whose content no block holds, and every node below it."""
-        if node.parent is not None:
-            node.parent.children.pop(node.digest, None)
+        level = node.parent.children if node.parent is not None else self._roots
+        del level[node.tokens]
         stack = [node]
         while stack:
             dead = stack.pop()
             dead.alive = False
-            if self._index.get(dead.digest) is dead:
-                del self._index[dead.digest]
+            self._num_nodes -= 1
             for block_id in dead.blocks:
                 del self._block_node[block_id]
                 self.block_manager.forget(block_id)
@@ -193,13 +166,16 @@ class PrefixCache:
             assert manager.is_reusable(block_id), f"indexed block {block_id} is not reusable"
         reusable = {b for b in range(manager.num_blocks) if manager.is_reusable(b)}
         assert reusable == set(self._block_node), "reusable blocks and the index disagree"
-        for digest, node in self._index.items():
-            assert node.alive and node.digest == digest, "a dead or misfiled entry"
-            assert node.blocks, "a live entry that no block holds"
-            assert node.parent is None or (
-                node.parent.alive and node.parent.children.get(digest) is node
-            ), "a live entry under a dead or unlinked parent"
-            expected = block_digest(
-                node.parent.digest if node.parent else _ROOT_DIGEST, node.tokens
-            )
-            assert expected == digest, "an entry filed under the wrong digest"
+        num_nodes = 0
+        stack: list[tuple[PrefixNode | None, dict[bytes, PrefixNode]]] = [(None, self._roots)]
+        while stack:
+            parent, level = stack.pop()
+            for tokens, node in level.items():
+                num_nodes += 1
+                assert node.alive and node.tokens == tokens, "a dead or misfiled entry"
+                assert node.parent is parent, "an entry under the wrong parent"
+                assert len(tokens) == 4 * self.block_size, "an entry that is not a full block"
+                assert node.blocks, "a live entry that no block holds"
+                assert node.block == next(iter(node.blocks)), "a stale representative block"
+                stack.append((node, node.children))
+        assert num_nodes == self._num_nodes, "the entry count is off"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -38,7 +39,8 @@ class Request:
     """
 
     request_id: str
-    prompt_token_ids: list[int]
+    # A list, or (from the scheduler) an int32 array: no int object per prompt token.
+    prompt_token_ids: Sequence[int]
     sampling: SamplingParams
     arrival_time: float
     # Order of receipt; breaks ties between equal arrival times (FCFS and preemption order).
@@ -58,12 +60,11 @@ class Request:
     num_cached_tokens: int = 0
     # Prompt tokens whose KV this request computed, recomputation after preemption included.
     num_computed_prompt_tokens: int = 0
-    # Prefix cache bookkeeping (see prefix_cache.py). ``block_keys[i]`` is the key and
-    # packed tokens of full block i; tokens only ever grow, so the keys survive preemption.
-    block_keys: list[tuple[int, bytes]] = field(default_factory=list)
-    # The index entries of this request's leading blocks, one per block, while it runs.
+    # Prefix cache bookkeeping (see prefix_cache.py): the index entries of this request's
+    # leading blocks, one per block, while it runs.
     prefix_nodes: list[PrefixNode] = field(default_factory=list)
-    # Set when a block could not be indexed (a digest collision): index nothing further.
+    # Set when a block could not be indexed (its parent entry was evicted): index nothing
+    # further.
     prefix_chain_broken: bool = False
     # Per-token stop screening (see stop.py ``stop_screen``): a new token needs the full
     # ``check_stop`` only if it is one of ``stop_screen_ids`` or the output has reached
@@ -71,7 +72,7 @@ class Request:
     stop_screen_ids: frozenset[int] = frozenset()
     stop_screen_length: int = 0
     # The prompt packed as int32, as it arrived: a long prompt is sent to the workers and
-    # keyed for the prefix cache without packing it again. Packed here when not given.
+    # looked up in the prefix cache without packing it again. Packed here when not given.
     prompt_packed: bytes = b""
     # The prompt never changes, so its length is kept rather than measured per step.
     num_prompt_tokens: int = field(init=False)
@@ -97,16 +98,16 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return [*self.prompt_token_ids, *self.output_token_ids]
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Seen tokens ``start:end`` without concatenating the whole sequence."""
         num_prompt = len(self.prompt_token_ids)
         if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
+            return list(self.prompt_token_ids[start:end])
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[: end - num_prompt]]
 
     def packed_tokens(self, start: int, end: int) -> bytes:
         """``pack_ids(token_slice(start, end))``; the prompt's part is a slice of its bytes."""

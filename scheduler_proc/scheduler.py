@@ -15,11 +15,17 @@ max_model_len) are honoured exactly: a request is not planned past them.
 
 Results (intake.py, a part of the class): ``on_step_result`` takes a step's sampled tokens.
 
+Endings and deferred bookkeeping (endings.py, a part of the class): what the next message
+out (a plan to the workers, outputs to the detokenizer) does not depend on waits until it is
+sent, in ``run_deferred``: the process calls it after each send, and every entry point calls
+it first, so no decision ever sees unsettled state. The ``apply_*`` entry points leave it to
+their caller; ``on_step_result`` and ``abort`` run it before they return.
+
 Prefix cache (prefix_cache.py): a waiting request starts on the cached blocks of its longest
 cached prefix, so its first plan row has ``num_computed`` > 0 and its block table begins
 with those shared blocks. The full blocks a plan computes are indexed after it is built
-(``flush_prefix_cache``, which the process calls once the plan is sent), so only later steps,
-which the workers run after it, can read them.
+(``flush_prefix_cache``, a part of ``run_deferred``, done once the plan is sent), so only
+later steps, which the workers run after it, can read them.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from pegainfer.protocol import (
 )
 from scheduler_proc.admission import AdmissionPlan, EarlyAborts, check_admission, plan_admission
 from scheduler_proc.block_manager import BlockManager
+from scheduler_proc.endings import RequestEndings
 from scheduler_proc.intake import ResultIntake
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.request import Request, RequestStatus
@@ -52,7 +59,7 @@ logger = logging.getLogger(__name__)
 EARLY_ABORT_MEMORY = 4096
 
 
-class Scheduler(ResultIntake):
+class Scheduler(ResultIntake, RequestEndings):
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.time) -> None:
         if config.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks is not set; the workers have not reported it")
@@ -84,6 +91,7 @@ class Scheduler(ResultIntake):
         # Requests of the last plan whose new full blocks the prefix cache has not indexed
         # yet (see ``flush_prefix_cache``).
         self._unindexed: list[Request] = []
+        RequestEndings.__init__(self)
         self._next_seq_id = 0
         self._next_step_id = 0
         self._next_arrival_index = 0
@@ -182,13 +190,20 @@ class Scheduler(ResultIntake):
         return None
 
     def abort(self, request_ids: Iterable[str]) -> list[SeqOutput]:
-        """Finish these requests with reason "abort".
+        """``apply_aborts``, and the deferred bookkeeping (their blocks freed) at once."""
+        outputs = self.apply_aborts(request_ids)
+        self.run_deferred()
+        return outputs
+
+    def apply_aborts(self, request_ids: Iterable[str]) -> list[SeqOutput]:
+        """Finish these requests with reason "abort"; their blocks are freed by the next
+        ``run_deferred``.
 
         An unknown id gets no output. It is remembered for a while, because the abort may
         have overtaken its request (which travels through a tokenizer): that request is then
         dropped on arrival instead of running for a client that has gone.
         """
-        self.flush_prefix_cache()  # an aborted request's computed blocks stay reusable
+        self.run_deferred()  # an aborted request's computed blocks stay reusable
         outputs = []
         for request_id in request_ids:
             request = self._requests.get(request_id)
@@ -202,8 +217,8 @@ class Scheduler(ResultIntake):
     # -- planning --------------------------------------------------------------------------
 
     def flush_prefix_cache(self) -> None:
-        """Index the blocks the last plan completed. Call it once the plan is sent, to keep
-        the hashing off the critical path; every other entry point calls it too."""
+        """Index the blocks the last plan completed (``run_deferred`` does, once the plan is
+        sent: the indexing stays off the critical path)."""
         if self._unindexed:
             assert self.prefix_cache is not None
             for request in self._unindexed:
@@ -213,7 +228,7 @@ class Scheduler(ResultIntake):
 
     def schedule(self) -> StepPlan | None:
         """Plan the next step, or None when no request can make progress now."""
-        self.flush_prefix_cache()
+        self.run_deferred()
         batch = StepBuilder()
         # Requests whose new full blocks the prefix cache indexes once the plan is complete
         # (and, ideally, sent): a block computed in this step can be read from the next on.
@@ -369,12 +384,7 @@ class Scheduler(ResultIntake):
         bisect.insort(self._running, request, key=lambda r: r.priority_key)
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached
-            logger.info(
-                "admitted request %s: %d prompt tokens, %d cached",
-                request.request_id,
-                request.num_prompt_tokens,
-                num_cached,
-            )
+            self._admitted.append((request.request_id, request.num_prompt_tokens, num_cached))
         else:
             logger.debug(
                 "re-admitted request %s: recomputing %d of %d tokens",
@@ -382,40 +392,3 @@ class Scheduler(ResultIntake):
                 request.num_tokens - num_cached,
                 request.num_tokens,
             )
-
-    def _release(self, request: Request) -> None:
-        """Take a running request off the workers: free its blocks, retire its seq id."""
-        self._running.remove(request)
-        del self._seq_to_request[request.seq_id]
-        self._finished_seq_ids.append(request.seq_id)
-        self.block_manager.free(request.block_ids)
-        request.block_ids = []
-        request.prefix_nodes = []
-        request.seq_id = -1
-        request.num_computed_tokens = 0
-        request.num_pending_tokens = 0
-
-    def _preempt(self, request: Request) -> None:
-        # Recompute, not swap: its prompt and output come back later as a new sequence.
-        self._release(request)
-        request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self._waiting.appendleft(request)
-        logger.debug(
-            "preempted request %s (%d tokens) to free KV blocks",
-            request.request_id,
-            request.num_tokens,
-        )
-
-    def _finish(self, request: Request, finish_reason: str, stop_reason: int | str | None) -> None:
-        if request.status is RequestStatus.RUNNING:
-            self._release(request)
-        elif request.status is RequestStatus.WAITING:
-            self._waiting.remove(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = finish_reason
-        request.stop_reason = stop_reason
-        request.finish_time = self._clock()
-        del self._requests[request.request_id]
-        logger.info("finished request %s: %s", request.request_id, request.summary())

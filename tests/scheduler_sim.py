@@ -228,10 +228,15 @@ class Harness:
         steps_in_flight: int = 1,
         token_fn: TokenFn = hashed_token,
         flush_after_plan: bool = True,
+        defer: bool = False,
     ) -> None:
         self.config = config
-        # As the scheduler process does once a plan is sent; else the next call does it.
+        # As the scheduler process does once a plan (or, with ``defer``, a step's outputs)
+        # is sent: the deferred bookkeeping (``run_deferred``); else the next call does it.
         self.flush_after_plan = flush_after_plan
+        # Results and aborts through ``apply_*``, as the process takes them: finished
+        # requests keep their blocks until the deferred bookkeeping runs.
+        self.defer = defer
         self.now = 0.0
         self.scheduler = Scheduler(config, clock=lambda: self.now)
         self.worker = SimWorker(config, token_fn)
@@ -245,9 +250,18 @@ class Harness:
         return self.scheduler.add_request(request)
 
     def abort(self, request_ids: list[str]) -> list[SeqOutput]:
-        outputs = self.scheduler.abort(request_ids)
+        if self.defer:
+            outputs = self.scheduler.apply_aborts(request_ids)
+            self.settle()
+        else:
+            outputs = self.scheduler.abort(request_ids)
         self.record(outputs)
         return outputs
+
+    def settle(self) -> None:
+        """What the process does once it has sent a message, if this harness does it."""
+        if self.flush_after_plan:
+            self.scheduler.run_deferred()
 
     def record(self, outputs: list[SeqOutput]) -> None:
         for output in outputs:
@@ -267,12 +281,15 @@ class Harness:
         if plan is not None:
             self.plans.append(plan)
             self.pending.append(self.worker.execute(plan))
-            if self.flush_after_plan:
-                self.scheduler.flush_prefix_cache()
+            self.settle()
         return plan
 
     def deliver(self) -> list[SeqOutput]:
-        outputs = self.scheduler.on_step_result(self.pending.popleft())
+        if self.defer:
+            outputs = self.scheduler.apply_step_result(self.pending.popleft())
+            self.settle()
+        else:
+            outputs = self.scheduler.on_step_result(self.pending.popleft())
         self.record(outputs)
         return outputs
 
@@ -306,12 +323,16 @@ class Harness:
         manager.check_invariants()
         if scheduler.prefix_cache is not None:
             scheduler.prefix_cache.check_invariants()
-        holders = Counter(b for r in scheduler._running for b in r.block_ids)
+        # Finished requests whose deferred bookkeeping has not run still hold their blocks.
+        holders = Counter(
+            b for r in (*scheduler._running, *scheduler._finished) for b in r.block_ids
+        )
         for block_id in range(manager.num_blocks):
             assert manager.ref_count(block_id) == holders[block_id], f"block {block_id} leaked"
 
     def assert_drained(self) -> None:
         manager = self.scheduler.block_manager
+        self.scheduler.run_deferred()  # as the process does after its last message
         self.check_invariants()
         assert manager.num_free_blocks == manager.num_blocks, "KV blocks leaked"
         # The worker still holds exactly the seqs the next plan will drop.

@@ -1,4 +1,4 @@
-"""The prefix cache: keys, hits, sharing, eviction, and its safety against wrong KV.
+"""The prefix cache: entries, hits, sharing, eviction, and its safety against wrong KV.
 
 Driven through the scheduler and the simulated worker (tests/scheduler_sim.py), which models
 KV content: reusing a block with the wrong content changes the sampled tokens, and the
@@ -12,9 +12,7 @@ from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
 from pegainfer.protocol import SamplingParams, pack_ids, unpack_ids
-from scheduler_proc import prefix_cache
 from scheduler_proc.block_manager import BlockState, blocks_for_tokens
-from scheduler_proc.prefix_cache import block_digest
 from scheduler_proc.request import Request
 from tests.scheduler_sim import (
     Harness,
@@ -45,19 +43,26 @@ def new_seq_plan(harness: Harness, request_id_prompt: list[int]):
     raise AssertionError("no such sequence was sent")
 
 
-# -- keys -----------------------------------------------------------------------------------
+# -- entries --------------------------------------------------------------------------------
 
 
-def test_key_is_chained_over_parent_and_tokens() -> None:
-    tokens = pack_ids([1, 2, 3, 4])
-    digest = block_digest(0, tokens)
-    assert digest == block_digest(0, pack_ids([1, 2, 3, 4]))
-    assert digest != block_digest(0, pack_ids([1, 2, 3, 5]))
-    # Chained: the same tokens after a different prefix get a different key.
-    assert block_digest(digest, tokens) != digest
-    assert block_digest(block_digest(0, pack_ids([9, 9, 9, 9])), tokens) != block_digest(
-        digest, tokens
-    )
+def test_entries_are_per_prefix_not_per_block_content() -> None:
+    # The same block of tokens after two different first blocks is two entries, and a
+    # request hits only the one under its own first block.
+    harness = Harness(make_config(block_size=4), token_fn=constant(10))
+    shared = [5, 6, 7, 8]
+    run(harness, "a", [1, 1, 1, 1] + shared + [9], max_tokens=1)
+    run(harness, "b", [2, 2, 2, 2] + shared + [9], max_tokens=1)
+    cache = harness.scheduler.prefix_cache
+    assert len(cache) == 4 and set(cache._roots) == {pack_ids([1] * 4), pack_ids([2] * 4)}
+    for root in cache._roots.values():
+        assert list(root.children) == [pack_ids(shared)]
+    run(harness, "c", [2, 2, 2, 2] + shared + [3], max_tokens=1)
+    run(harness, "d", [3, 3, 3, 3] + shared + [3], max_tokens=1)
+    assert harness.finishes["c"].cached_tokens == 8
+    assert harness.finishes["d"].cached_tokens == 0
+    cache.check_invariants()
+    harness.assert_drained()
 
 
 def test_request_packed_tokens_equal_packing_the_token_slice() -> None:
@@ -180,7 +185,8 @@ def test_evicting_a_prefix_drops_every_block_below_it() -> None:
     cache = harness.scheduler.prefix_cache
     assert cache is not None and len(cache) == 3
     # Make the first block the least recently used, so that it goes first.
-    first_block = next(iter(cache._index.values())).blocks
+    (first_entry,) = cache._roots.values()
+    first_block = first_entry.blocks
     (root,) = first_block
     manager._cached.move_to_end(root, last=False)
     taken = manager.allocate(6)  # 5 free blocks, then one eviction: the root
@@ -247,10 +253,9 @@ def test_the_simulated_worker_notices_a_block_of_another_prefix() -> None:
         harness.worker = SimWorker(harness.config, hashed_token, strict=strict)
         run(harness, "a", [3, 4, 5, 6, 7], max_tokens=1)
         cache = harness.scheduler.prefix_cache
-        (node,) = cache._index.values()
+        (node,) = cache._roots.values()
         node.tokens = pack_ids([8, 8, 8, 8])  # the entry now claims other tokens
-        node.digest = block_digest(0, node.tokens)
-        cache._index = {node.digest: node}
+        cache._roots = {node.tokens: node}
         harness.add(make_request("b", [8, 8, 8, 8, 9], max_tokens=3, ignore_eos=True))
         if strict:
             with pytest.raises(AssertionError, match="read KV of another prefix"):
@@ -284,8 +289,8 @@ abort_op = st.tuples(st.just("abort"), st.integers(0, 50))
     max_num_batched_tokens=st.integers(1, 24),
     steps_in_flight=st.integers(1, 2),
     flush_after_plan=st.booleans(),
+    defer=st.booleans(),
     enable_prefix_caching=st.booleans(),
-    weak_digest=st.sampled_from([None, "tokens_only", "constant"]),
     prefixes=st.lists(st.lists(st.integers(3, 6), max_size=14), min_size=3, max_size=3),
     ops=st.lists(
         st.one_of(shared_add, shared_add, shared_add, step_op, abort_op), min_size=1, max_size=40
@@ -298,31 +303,23 @@ def test_shared_prefix_workloads_match_the_reference(
     max_num_batched_tokens: int,
     steps_in_flight: int,
     flush_after_plan: bool,
+    defer: bool,
     enable_prefix_caching: bool,
-    weak_digest: str | None,
     prefixes: list[list[int]],
     ops: list[tuple],
 ) -> None:
-    # A weakened digest collides all the time: the stored tokens and parent still have to
-    # keep every hit exact.
-    digests = {
-        None: block_digest,
-        "tokens_only": lambda parent, tokens: tokens,
-        "constant": lambda parent, tokens: b"same",
-    }
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(prefix_cache, "block_digest", digests[weak_digest])
-        run_shared_prefix_workload(
-            block_size,
-            cache_tokens,
-            max_num_seqs,
-            max_num_batched_tokens,
-            steps_in_flight,
-            flush_after_plan,
-            enable_prefix_caching,
-            prefixes,
-            ops,
-        )
+    run_shared_prefix_workload(
+        block_size,
+        cache_tokens,
+        max_num_seqs,
+        max_num_batched_tokens,
+        steps_in_flight,
+        flush_after_plan,
+        enable_prefix_caching,
+        prefixes,
+        ops,
+        defer,
+    )
 
 
 def run_shared_prefix_workload(
@@ -335,6 +332,7 @@ def run_shared_prefix_workload(
     enable_prefix_caching: bool,
     prefixes: list[list[int]],
     ops: list[tuple],
+    defer: bool = False,
 ) -> None:
     max_model_len = 48
     num_kv_blocks = blocks_for_tokens(cache_tokens, block_size)
@@ -346,7 +344,7 @@ def run_shared_prefix_workload(
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
     )
-    harness = Harness(config, steps_in_flight, flush_after_plan=flush_after_plan)
+    harness = Harness(config, steps_in_flight, flush_after_plan=flush_after_plan, defer=defer)
     accepted: dict[str, tuple[list[int], SamplingParams]] = {}
     added: list[str] = []
     for op in ops:

@@ -35,6 +35,10 @@ abort_op = st.tuples(st.just("abort"), st.integers(0, 50))
     max_model_len=st.integers(8, 64),
     steps_in_flight=st.integers(1, 2),
     enable_prefix_caching=st.booleans(),
+    # Results and aborts taken as the process takes them (blocks freed after the outputs
+    # are out), the deferred bookkeeping run after each, or left to the next entry point.
+    defer=st.booleans(),
+    settle=st.booleans(),
     # Weighted towards adds, so that caches fill up and preemption happens often.
     ops=st.lists(st.one_of(add_op, add_op, add_op, step_op, abort_op), min_size=1, max_size=40),
 )
@@ -46,6 +50,8 @@ def test_random_workloads_finish_every_request_correctly(
     max_model_len: int,
     steps_in_flight: int,
     enable_prefix_caching: bool,
+    defer: bool,
+    settle: bool,
     ops: list[tuple],
 ) -> None:
     num_kv_blocks = blocks_for_tokens(cache_tokens, block_size)
@@ -57,7 +63,7 @@ def test_random_workloads_finish_every_request_correctly(
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
     )
-    harness = Harness(config, steps_in_flight=steps_in_flight)
+    harness = Harness(config, steps_in_flight=steps_in_flight, flush_after_plan=settle, defer=defer)
     accepted: dict[str, tuple[list[int], SamplingParams]] = {}
     added: list[str] = []
     for op in ops:
@@ -118,6 +124,7 @@ request_spec = st.tuples(
     cache_tokens=st.integers(28, 48),
     max_num_batched_tokens=st.integers(4, 16),
     steps_in_flight=st.integers(1, 2),
+    defer=st.booleans(),
     specs=st.lists(request_spec, min_size=3, max_size=10),
 )
 def test_memory_pressure_preempts_and_outputs_stay_the_same(
@@ -125,6 +132,7 @@ def test_memory_pressure_preempts_and_outputs_stay_the_same(
     cache_tokens: int,
     max_num_batched_tokens: int,
     steps_in_flight: int,
+    defer: bool,
     specs: list[tuple[list[int], int, int]],
 ) -> None:
     # Every request fits alone (at most 28 tokens), but not all of them at once.
@@ -133,7 +141,7 @@ def test_memory_pressure_preempts_and_outputs_stay_the_same(
         num_kv_blocks=blocks_for_tokens(cache_tokens, block_size),
         max_num_batched_tokens=max_num_batched_tokens,
     )
-    harness = Harness(config, steps_in_flight=steps_in_flight)
+    harness = Harness(config, steps_in_flight=steps_in_flight, defer=defer)
     for index, (prompt, max_tokens, steps) in enumerate(specs):
         assert harness.add(make_request(f"r{index}", prompt, max_tokens=max_tokens)) is None
         for _ in range(steps):
