@@ -44,7 +44,6 @@ from pegainfer.protocol import (
     TokenizedRequest,
     TokenizeRequest,
     TokenizeResult,
-    unpack_ids,
 )
 
 logger = logging.getLogger(__name__)
@@ -162,6 +161,13 @@ class EngineClient:
                 logger.exception("could not dispatch a %s", type(msg).__name__)
 
     def dispatch(self, msg: _Inbound) -> None:
+        if type(msg) is TextOutputs:  # nearly every message: tested first
+            queues = self._queues
+            for delta in msg.outputs:
+                queue = queues.get(delta.request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)
+            return
         if isinstance(msg, EngineStats):
             self.stats = msg
             self.stats_time = time.monotonic()
@@ -240,13 +246,15 @@ class EngineClient:
                 if isinstance(item, RequestRejected):
                     raise APIError.from_rejection(item)
                 self._unstarted.discard(request_id)
-                timing.delta(item)
+                timing.arrived(item)
                 yield item
+                timing.account()
                 if item.finish_reason is not None:
                     return
         finally:
             self._queues.pop(request_id, None)
             self._unstarted.discard(request_id)
+            timing.account()
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
         answer = await self._call_tokenizer(request)
@@ -293,9 +301,13 @@ class EngineClient:
 
 
 class _RequestTiming:
-    """Latency metrics of one engine request, and its first-token log line."""
+    """Latency metrics of one engine request, and its first-token log line.
 
-    __slots__ = ("request_id", "arrival", "metrics", "last", "num_tokens")
+    A delta's time is taken as it arrives (``arrived``); the metrics and the log line wait
+    until the consumer has handed the delta on and asks for the next (``account``): they are
+    not worth a moment of its latency, the first token's least of all."""
+
+    __slots__ = ("request_id", "arrival", "metrics", "last", "num_tokens", "_arrived")
 
     def __init__(self, request_id: str, arrival: float, metrics: RequestMetrics) -> None:
         self.request_id = request_id
@@ -303,31 +315,26 @@ class _RequestTiming:
         self.metrics = metrics
         self.last: float | None = None
         self.num_tokens = 0
+        self._arrived: tuple[float, TextDelta] | None = None  # not accounted for yet
 
-    def delta(self, delta: TextDelta) -> None:
-        now = time.time()
-        try:
-            new_tokens = len(unpack_ids(delta.token_ids))
-        except Exception:  # noqa: BLE001 - metrics must not fail a request
-            new_tokens = 0
+    def arrived(self, delta: TextDelta) -> None:
+        self.account()
+        self._arrived = (time.time(), delta)
+
+    def account(self) -> None:
+        """Record the metrics of the delta that arrived last, if not done yet."""
+        if self._arrived is None:
+            return
+        (now, delta), self._arrived = self._arrived, None
+        num_bytes = len(delta.token_ids)
+        new_tokens = num_bytes // 4 if num_bytes % 4 == 0 else 0  # malformed: none
         if delta.queue_time is not None:  # on the first output only
             self.metrics.request_queue_time.observe(delta.queue_time)
         if new_tokens:
             if self.last is None:
                 ttft = now - self.arrival
                 self.metrics.time_to_first_token.observe(ttft)
-                # Logged once the event loop has moved on: the line is not worth a
-                # moment of the first token's latency.
-                asyncio.get_running_loop().call_soon(
-                    logger.info,
-                    "first token of request %s: ttft %.3fs, queued %s, %d prompt tokens "
-                    "(%d cached)",
-                    self.request_id,
-                    ttft,
-                    f"{delta.queue_time:.3f}s" if delta.queue_time is not None else "-",
-                    delta.prompt_tokens,
-                    delta.cached_tokens,
-                )
+                self._log_first_token(ttft, delta)
             else:
                 per_token = (now - self.last) / new_tokens
                 for _ in range(new_tokens):
@@ -339,4 +346,20 @@ class _RequestTiming:
             self.metrics.count_finished(delta.finish_reason)
 
     def failed(self, reason: str) -> None:
+        self.account()
         self.metrics.count_finished(reason)
+
+    def _log_first_token(self, ttft: float, delta: TextDelta) -> None:
+        args = (
+            "first token of request %s: ttft %.3fs, queued %s, %d prompt tokens (%d cached)",
+            self.request_id,
+            ttft,
+            f"{delta.queue_time:.3f}s" if delta.queue_time is not None else "-",
+            delta.prompt_tokens,
+            delta.cached_tokens,
+        )
+        # Behind what the event loop has ready: the writes of other requests' tokens.
+        try:
+            asyncio.get_running_loop().call_soon(logger.info, *args)
+        except RuntimeError:  # a generator finalized outside the event loop
+            logger.info(*args)

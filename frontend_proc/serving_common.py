@@ -30,6 +30,15 @@ SSE_HEADERS = {
 DONE = b"data: [DONE]\n\n"
 
 
+class EventStreamResponse(web.StreamResponse):
+    """An SSE response whose status line and headers leave with its first event, in one
+    write to the socket instead of two, so the first token reaches the client sooner. The
+    aiohttp versions that can hold headers back read this attribute; others send them at
+    once, as before. The bytes on the wire are the same either way."""
+
+    _send_headers_immediately = False
+
+
 @dataclass
 class ServingContext:
     served_model_name: str
@@ -147,12 +156,14 @@ class StreamWriter:
         events = aiter(self.fan)
         # A rejection here propagates and becomes an ordinary error response.
         first = await anext(events, None)
-        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        response = EventStreamResponse(status=200, headers=SSE_HEADERS)
         await response.prepare(self.http_request)
         try:
             await self._write(response, self.preamble())
             if first is not None:
                 await self._deliver(response, *first)
+                # Sends the headers, if the first event made no bytes to carry them.
+                await response.write(b"")
                 async for index, delta in events:
                     await self._deliver(response, index, delta)
             await self._write(response, self.final())
