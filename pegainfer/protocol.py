@@ -54,14 +54,19 @@ def pack_ids(ids: Any) -> bytes:
     return packed.tobytes()
 
 
-def unpack_ids(data: bytes) -> list[int]:
+def unpack_ids_array(data: bytes) -> array:
+    """Packed int32 ids as an int32 array (one copy of the bytes, no int object per id)."""
     if len(data) % 4:
         raise ProtocolError(f"packed id buffer of {len(data)} bytes is not a multiple of 4")
     unpacked = array("i")
     unpacked.frombytes(data)
     if sys.byteorder != "little":
         unpacked.byteswap()
-    return unpacked.tolist()
+    return unpacked
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    return unpack_ids_array(data).tolist()
 
 
 def pack_floats(values: Any) -> bytes:

@@ -9,12 +9,11 @@ malformed message.
 from __future__ import annotations
 
 import logging
-import sys
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pegainfer.protocol import ProtocolError, RequestRejected, TokenizedRequest
+from pegainfer.protocol import ProtocolError, RequestRejected, TokenizedRequest, unpack_ids_array
 from scheduler_proc.block_manager import BlockManager, blocks_for_tokens
 from scheduler_proc.prefix_cache import PrefixCache, PrefixNode
 from scheduler_proc.request import Request
@@ -67,16 +66,10 @@ def check_admission(
 
 
 def prompt_ids(packed: bytes) -> array:
-    """Packed int32 ids as an int32 array: one copy of the bytes. A list would hold an int
-    object per token, thousands for a long prompt, to make on arrival and free at the end,
-    and for the garbage collector to walk while the request lives."""
-    if len(packed) % 4:
-        raise ProtocolError(f"packed id buffer of {len(packed)} bytes is not a multiple of 4")
-    ids = array("i")
-    ids.frombytes(packed)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return ids
+    """Packed int32 ids as an int32 array. A list would hold an int object per token,
+    thousands for a long prompt, to make on arrival and free at the end, and for the garbage
+    collector to walk while the request lives."""
+    return unpack_ids_array(packed)
 
 
 def reject(request_id: str, message: str, param: str | None) -> RequestRejected:

@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 from aiohttp.http_writer import StreamWriter as HttpStreamWriter
 from aiohttp.test_utils import make_mocked_request
+from test_frontend_app import BOOM, HANG, FakeEngine
 
 from frontend_proc.engine_client import EngineClient
 from frontend_proc.errors import APIError
@@ -34,9 +35,6 @@ from pegainfer.protocol import (
     pack_ids,
 )
 
-HANG = "hang"
-BOOM = "boom"
-
 
 def delta(request_id: str, text: str, finish: str | None = None) -> TextDelta:
     return TextDelta(request_id, text, pack_ids([5]), finish, None, 3, 1, 0)
@@ -46,31 +44,9 @@ def request(request_id: str) -> TokenizedRequest:
     return TokenizedRequest(request_id, pack_ids([1, 2, 3]), SamplingParams(max_tokens=2), 1.0)
 
 
-class ScriptedEngine:
-    """Yields each request's scripted items; HANG waits forever, BOOM raises a bug."""
-
-    def __init__(self, script: Callable[[str], list]) -> None:
-        self.script = script
-        self.aborted: list[str] = []
-        self.open: set[str] = set()
-
-    async def generate(self, req: TokenizedRequest):
-        self.open.add(req.request_id)
-        try:
-            for item in self.script(req.request_id):
-                await asyncio.sleep(0)
-                if item == HANG:
-                    await asyncio.Event().wait()
-                if item == BOOM:
-                    raise RuntimeError("engine bug")
-                if isinstance(item, RequestRejected):
-                    raise APIError.from_rejection(item)
-                yield item
-        finally:
-            self.open.discard(req.request_id)
-
-    def abort(self, request_ids: list[str]) -> None:
-        self.aborted.extend(request_ids)
+def scripted_engine(script: Callable[[str], list]) -> FakeEngine:
+    """The HTTP tests' fake engine, scripted by request id."""
+    return FakeEngine(lambda req: script(req.request_id))
 
 
 async def drain(fan: FanOut) -> list[tuple[int, str]]:
@@ -79,7 +55,7 @@ async def drain(fan: FanOut) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("num_requests", [1, 2])
 def test_finished_requests_are_not_aborted(num_requests: int) -> None:
-    engine = ScriptedEngine(lambda rid: [delta(rid, "a"), delta(rid, "b", "length")])
+    engine = scripted_engine(lambda rid: [delta(rid, "a"), delta(rid, "b", "length")])
     ids = [f"r{i}" for i in range(num_requests)]
 
     async def main() -> None:
@@ -91,28 +67,28 @@ def test_finished_requests_are_not_aborted(num_requests: int) -> None:
                     assert len(asyncio.all_tasks()) == tasks_before
                 got.append((index, item.text))
         assert sorted(got) == sorted((i, t) for i in range(num_requests) for t in "ab")
-        assert engine.aborted == [] and engine.open == set()
+        assert engine.aborted == [] and engine.active == set()
 
     asyncio.run(main())
 
 
 @pytest.mark.parametrize("num_requests", [1, 2])
 def test_a_consumer_that_leaves_early_aborts_and_closes(num_requests: int) -> None:
-    engine = ScriptedEngine(lambda rid: [delta(rid, "a"), HANG])
+    engine = scripted_engine(lambda rid: [delta(rid, "a"), HANG])
     ids = [f"r{i}" for i in range(num_requests)]
 
     async def main() -> None:
         async with FanOut(engine, [request(i) for i in ids]) as fan:
             async for _ in fan:
                 break
-        assert sorted(engine.aborted) == ids and engine.open == set()
+        assert sorted(engine.aborted) == ids and engine.active == set()
 
     asyncio.run(main())
 
 
 @pytest.mark.parametrize("num_requests", [1, 2])
 def test_a_cancelled_consumer_aborts_and_closes(num_requests: int) -> None:
-    engine = ScriptedEngine(lambda rid: [HANG])
+    engine = scripted_engine(lambda rid: [HANG])
     ids = [f"r{i}" for i in range(num_requests)]
 
     async def consume() -> None:
@@ -125,14 +101,14 @@ def test_a_cancelled_consumer_aborts_and_closes(num_requests: int) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert sorted(engine.aborted) == ids and engine.open == set()
+        assert sorted(engine.aborted) == ids and engine.active == set()
 
     asyncio.run(main())
 
 
 def test_a_rejection_raises_as_is_and_is_not_aborted() -> None:
     rejection = RequestRejected("r0", 400, "too long", "invalid_request_error", "prompt", None)
-    engine = ScriptedEngine(lambda rid: [rejection])
+    engine = scripted_engine(lambda rid: [rejection])
 
     async def main() -> None:
         with pytest.raises(APIError) as info:
@@ -143,14 +119,14 @@ def test_a_rejection_raises_as_is_and_is_not_aborted() -> None:
             "too long",
             "prompt",
         )
-        assert engine.aborted == [] and engine.open == set()
+        assert engine.aborted == [] and engine.active == set()
 
     asyncio.run(main())
 
 
 @pytest.mark.parametrize("num_requests", [1, 2])
 def test_an_engine_bug_is_a_500_and_is_not_aborted(num_requests: int) -> None:
-    engine = ScriptedEngine(lambda rid: [BOOM] if rid == "r0" else [delta(rid, "x", "stop")])
+    engine = scripted_engine(lambda rid: [BOOM] if rid == "r0" else [delta(rid, "x", "stop")])
     ids = [f"r{i}" for i in range(num_requests)]
 
     async def main() -> None:
@@ -159,7 +135,7 @@ def test_an_engine_bug_is_a_500_and_is_not_aborted(num_requests: int) -> None:
                 await drain(fan)
         assert (info.value.status, info.value.message) == (500, "internal error: RuntimeError")
         assert isinstance(info.value.__cause__, RuntimeError)
-        assert "r0" not in engine.aborted and engine.open == set()
+        assert "r0" not in engine.aborted and engine.active == set()
 
     asyncio.run(main())
 
@@ -225,7 +201,7 @@ async def stream_response(events: list[TextDelta]) -> list[bytes]:
     http_request = make_mocked_request(
         "POST", "/v1/completions", writer=writer, protocol=protocol, transport=transport
     )
-    engine = ScriptedEngine(lambda rid: events)
+    engine = scripted_engine(lambda rid: events)
 
     def chunk_for(index: int, item: TextDelta, state: ChoiceState) -> list[dict]:
         return [{"text": item.text}] if item.text else []
