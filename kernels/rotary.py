@@ -25,6 +25,10 @@ from kernels.rmsnorm import rms_norm_ref
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
+# q heads one program rotates. A program per token for all heads left a decode batch of a
+# few tokens on a few SMs, each running one long chain of loads.
+Q_HEADS_PER_PROGRAM = 8
+
 # (q_norm weight [head_dim], k_norm weight [head_dim], eps): per-head RMSNorm before rope.
 QKNorm = tuple[torch.Tensor, torch.Tensor, float]
 
@@ -170,30 +174,95 @@ def _rotary_kernel(
     STORE_KV: tl.constexpr,
     NORM: tl.constexpr,
 ):
-    # One program per token: the cos/sin row is loaded once for all q and k heads.
+    # Grid (tokens, q head groups + 1): programs below the last of a token each rotate
+    # Q_HEADS of its q heads; the last rotates its k heads and writes k and v to the cache.
+    # Short programs, many of them: a decode batch of a few tokens still spreads over the SMs.
     token = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + position * stride_cos + dims, mask=dims < half, other=0.0)
     sin = tl.load(sin_ptr + position * stride_cos + dims, mask=dims < half, other=0.0)
-    q_heads = tl.arange(0, Q_HEADS)
-    _rotate_heads(
-        q_ptr + token * stride_q_token,
-        q_out_ptr + token * num_heads * head_dim,
-        stride_q_head,
-        head_dim,
-        q_heads < num_heads,
-        cos,
-        sin,
-        half,
-        head_dim,
-        q_norm_ptr,
-        eps,
-        Q_HEADS,
-        HALF,
-        PASS,
-        NORM,
-    )
+    if part < tl.num_programs(1) - 1:
+        first_head = part * Q_HEADS
+        _rotate_heads(
+            q_ptr + token * stride_q_token + first_head * stride_q_head,
+            q_out_ptr + token * num_heads * head_dim + first_head * head_dim,
+            stride_q_head,
+            head_dim,
+            first_head + tl.arange(0, Q_HEADS) < num_heads,
+            cos,
+            sin,
+            half,
+            head_dim,
+            q_norm_ptr,
+            eps,
+            Q_HEADS,
+            HALF,
+            PASS,
+            NORM,
+        )
+    else:
+        _rotate_kv(
+            token,
+            k_ptr,
+            v_ptr,
+            k_out_ptr,
+            k_cache_ptr,
+            v_cache_ptr,
+            slot_mapping_ptr,
+            k_norm_ptr,
+            eps,
+            cos,
+            sin,
+            stride_k_token,
+            stride_k_head,
+            stride_v_token,
+            stride_v_head,
+            stride_cache_slot,
+            stride_cache_head,
+            num_kv_heads,
+            half,
+            head_dim,
+            KV_HEADS,
+            HALF,
+            PASS,
+            HEAD_DIM,
+            STORE_KV,
+            NORM,
+        )
+
+
+@triton_jit
+def _rotate_kv(
+    token,
+    k_ptr,
+    v_ptr,
+    k_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    k_norm_ptr,
+    eps,
+    cos,
+    sin,
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    stride_cache_slot,
+    stride_cache_head,
+    num_kv_heads,
+    half,
+    head_dim,
+    KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    NORM: tl.constexpr,
+):
+    """Rotate one token's k heads into the cache (or ``k_out``) and copy its v heads there."""
     kv_heads = tl.arange(0, KV_HEADS)
     kv_mask = kv_heads < num_kv_heads
     if STORE_KV:
@@ -282,7 +351,9 @@ def _launch_rotary(
     if qk_norm is not None and pass_dim:
         raise ValueError("the fused q/k norm needs rotary over the whole head")
     q_norm, k_norm, eps = qk_norm if qk_norm is not None else (q, q, 0.0)
-    _rotary_kernel[(num_tokens,)](
+    q_heads_per_program = min(Q_HEADS_PER_PROGRAM, next_power_of_2(num_heads))
+    grid = (num_tokens, -(-num_heads // q_heads_per_program) + 1)
+    _rotary_kernel[grid](
         positions,
         q,
         k,
@@ -310,7 +381,7 @@ def _launch_rotary(
         num_kv_heads,
         half,
         head_dim,
-        Q_HEADS=next_power_of_2(num_heads),
+        Q_HEADS=q_heads_per_program,
         KV_HEADS=next_power_of_2(num_kv_heads),
         HALF=next_power_of_2(half),
         PASS=next_power_of_2(pass_dim) if pass_dim else 0,

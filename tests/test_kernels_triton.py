@@ -131,7 +131,8 @@ def _qkv_views(tokens, heads, kv_heads, head_dim, dtype, g):
     )
 
 
-ROTARY_CASES = [(9, 4, 2, 32, 32), (5, 6, 3, 32, 16)]  # tokens, heads, kv, head_dim, rot
+# tokens, heads, kv, head_dim, rot; 12 q heads take two programs a token, the second half full
+ROTARY_CASES = [(9, 4, 2, 32, 32), (5, 6, 3, 32, 16), (3, 12, 4, 32, 32)]
 if CUDA:
     ROTARY_CASES.append((512, 32, 8, 128, 128))
 
@@ -173,8 +174,13 @@ def test_rotary_and_store_kv(dtype, tokens, heads, kv_heads, head_dim, rotary_di
     assert_same_cache(v_cache, v_ref, "v cache")
 
 
+QK_NORM_CASES = [(7, 4, 2, 32), (5, 6, 3, 48), (3, 20, 4, 32)]  # tokens, heads, kv, head_dim
+if CUDA:
+    QK_NORM_CASES.append((64, 32, 8, 128))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(7, 4, 2, 32), (5, 6, 3, 48)])
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", QK_NORM_CASES)
 def test_rotary_and_store_kv_with_qk_norm(dtype, tokens, heads, kv_heads, head_dim):
     """Qwen3's per-head q/k RMSNorm fused ahead of the rotation."""
     g = gen(16)

@@ -356,3 +356,14 @@ def test_decode_attention_replays_in_a_cuda_graph():
         )
         check(out, expected, f"graph replay {attempt}")
         contexts = contexts[::-1]
+
+
+def test_decode_split_policy():
+    """A batch is split until about three programs per SM (132 SMs off CUDA) are in flight,
+    never below the minimum split length at the graph's context bound."""
+    from kernels.decode_attention import MAX_SPLITS, choose_max_splits
+
+    cpu = torch.device("cpu")
+    splits = {n: choose_max_splits(n, 8, 40960, cpu) for n in (1, 8, 16, 24, 32, 64, 256)}
+    assert splits == {1: MAX_SPLITS, 8: 6, 16: 3, 24: 2, 32: 2, 64: 1, 256: 1}
+    assert choose_max_splits(1, 8, 100, cpu, min_split_tokens=64) == 2

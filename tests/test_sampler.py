@@ -45,6 +45,21 @@ def test_greedy_is_argmax():
     assert batch.all_greedy and batch.temperatures is None  # nothing uploaded
 
 
+def test_bfloat16_logits_sample_as_their_float32_copy():
+    """The worker hands over the model's logits: greedy rows take their argmax as they are,
+    and a mixed batch samples exactly as it would from a float32 copy."""
+    logits = torch.randn(12, 300, generator=torch.Generator().manual_seed(5)).bfloat16()
+    logits[3, 7] = logits[3, 9] = logits[3].max() + 1  # a tie: the lower id wins either way
+    assert _sample(_sampler(), logits, [GREEDY] * 12).tolist() == (
+        logits.float().argmax(dim=-1).tolist()
+    )
+    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=3)] * 6
+    positions = list(range(12))
+    mixed = _sample(_sampler(1), logits, params, positions)
+    assert mixed.tolist() == _sample(_sampler(1), logits.float(), params, positions).tolist()
+    assert mixed[3].item() == 7
+
+
 def test_top_k_one_equals_greedy():
     logits = torch.randn(32, 300, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1.5, top_k=1)] * 32

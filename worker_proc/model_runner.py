@@ -354,7 +354,7 @@ class ModelRunner:
         if batch.penalised_rows:
             histories = [(s.token_ids, s.num_prompt_tokens) for s in samplers]
         if self.rank == 0:
-            tokens = self.sampler.sample(logits.float(), batch, sample_pos, histories)
+            tokens = self.sampler.sample(logits, batch, sample_pos, histories)
         else:  # rank 0's tokens are the tokens; the others receive them (parallel_state)
             tokens = torch.empty(len(samplers), dtype=torch.int64, device=self.device)
         tokens = broadcast_from_rank0(tokens)

@@ -235,12 +235,17 @@ class Sampler:
         positions: torch.Tensor | None = None,
         histories: list[tuple[list[int], int]] | None = None,
     ) -> torch.Tensor:
-        """``logits [N, vocab]`` float32 -> token ids ``[N]`` int64 on the device.
+        """``logits [N, vocab]`` (the model's dtype or float32) -> token ids ``[N]`` int64
+        on the device. A greedy batch takes the argmax of the logits as they are (a float32
+        copy holds the same values); any other is sampled in float32.
 
         ``positions [N]`` int64 (device): the position of the token each row draws; needed
         when a row is seeded. ``histories`` gives each row's ``(token_ids,
         num_prompt_tokens)``; needed only when some row has a penalty.
         """
+        if batch.all_greedy and not batch.penalised_rows:
+            return logits.argmax(dim=-1)
+        logits = logits.float()
         if batch.penalised_rows:
             if histories is None:
                 raise ValueError("rows with penalties need their token histories")
