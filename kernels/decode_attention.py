@@ -59,7 +59,9 @@ def _split_bounds(context_len, max_splits, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.
     return per_split, splits_used
 
 
-@triton_jit
+# Eager decode (no graphs, or a batch past the largest graph) passes block tables as wide as
+# the batch's longest context: not specializing that stride keeps one compiled variant.
+@triton_jit(do_not_specialize=("stride_table_seq",))
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,

@@ -40,7 +40,10 @@ tl = None  # bound to triton.language by kernels.backend.load_triton()
 LOG2_E = 1.4426950408889634
 
 
-@triton_jit(do_not_specialize=("num_splits", "num_tokens"))
+# The block tables' row stride is their width, which follows the longest context of an eager
+# batch: specialized, a width that happens to be a multiple of 16 compiled a second variant
+# in the middle of serving (0.7 s on an H200, seen as one slow batch of requests).
+@triton_jit(do_not_specialize=("num_splits", "num_tokens", "stride_table_seq"))
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
