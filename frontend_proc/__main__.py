@@ -1,7 +1,9 @@
 """The frontend process: ``python -m frontend_proc --run-dir DIR``.
 
-It binds the engine sockets, then the HTTP port, and only then reports ready: the launcher
-starts it last and treats its ready report as "the server is up".
+The launcher starts it with the workers, so that its imports overlap the model load; it
+waits until the scheduler is up (pegainfer/config.py's start stages), binds the engine
+sockets, then the HTTP port, and only then reports ready: the launcher treats that report as
+"the server is up".
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from aiohttp import web
 from frontend_proc.app import create_app
 from frontend_proc.engine_client import EngineClient
 from frontend_proc.server_state import ServerState, start_drain
-from pegainfer.config import EngineConfig
+from pegainfer.config import STAGE_SCHEDULER_READY, EngineConfig
 from pegainfer.process import child_args, init_child, report_ready
 
 logger = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ async def serve(config: EngineConfig, run_dir: str) -> None:
 
 def main() -> None:
     args = child_args("pegainfer HTTP frontend")
-    config = init_child(NAME, args.run_dir)
+    config = init_child(NAME, args.run_dir, STAGE_SCHEDULER_READY)
     uvloop.run(serve(config, args.run_dir))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,14 @@ class ModelInfo:
     num_kv_heads: int
     head_dim: int
     hidden_size: int
+
+
+# The launcher's start, as recorded in config.json. The scheduler and the frontend are spawned
+# with the workers, so that their interpreters and imports overlap the model load; each then
+# waits for the stage it needs (EngineConfig.wait_for_stage).
+STAGE_LAUNCHED = 0
+STAGE_WORKERS_READY = 1  # num_kv_blocks is set: the scheduler may start
+STAGE_SCHEDULER_READY = 2  # the scheduler is up, reasoning is known: the frontend may serve
 
 
 @dataclass
@@ -54,6 +63,9 @@ class EngineConfig:
     num_kv_blocks: int = 0  # set by the launcher: the fewest any worker rank reported
     # Set by the launcher from tokenizer-0's report: the model writes <think> blocks.
     reasoning: bool = False
+    # How far the launcher's start has come (STAGE_*). A config written by anyone else is
+    # complete: the launcher alone writes the earlier stages.
+    start_stage: int = STAGE_SCHEDULER_READY
     model: ModelInfo | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     # Several hosts (see pegainfer/multinode.py): node 0 runs the tree, node k > 0 is
@@ -77,15 +89,30 @@ class EngineConfig:
         return config
 
     def save(self, run_dir: str) -> str:
+        """Write ``config.json`` whole, by rename: a child reading it while it is rewritten
+        sees the old one or the new one, never a part."""
         path = os.path.join(run_dir, "config.json")
-        with open(path, "w") as f:
+        partial = f"{path}.{os.getpid()}.tmp"
+        with open(partial, "w") as f:
             f.write(self.to_json())
+        os.replace(partial, path)
         return path
 
     @classmethod
     def load(cls, run_dir: str) -> EngineConfig:
         with open(os.path.join(run_dir, "config.json")) as f:
             return cls.from_json(f.read())
+
+    @classmethod
+    def wait_for_stage(cls, run_dir: str, stage: int, poll_s: float = 0.005) -> EngineConfig:
+        """Load the config once the launcher's start has reached ``stage``. No deadline: a
+        child never outlives its launcher (pegainfer/process.py), which stops the tree if
+        the start fails."""
+        while True:
+            config = cls.load(run_dir)
+            if config.start_stage >= stage:
+                return config
+            time.sleep(poll_s)
 
 
 def read_model_info(model_path: str) -> ModelInfo:

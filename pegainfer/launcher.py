@@ -1,8 +1,10 @@
 """Starts the process tree, waits for it to be ready, watches it, and tears it down.
 
-Start order: workers, detokenizer and tokenizers together; the scheduler once the workers
-have reported the size of the KV cache; the frontend (and so the HTTP port) last, once every
-other process is ready. If any child dies, the rest are stopped and the launcher exits
+Start order: every process is spawned at once, so that the light ones' interpreters and
+imports overlap the model load; the scheduler then waits until the workers have reported the
+size of the KV cache, and the frontend (and so the HTTP port) until every other process is
+ready. The launcher tells them through the start stage it records in the run directory's
+config.json. If any child dies, the rest are stopped and the launcher exits
 non-zero naming it. SIGINT and SIGTERM stop the whole tree. The run directory, with its
 sockets, is removed in every case.
 """
@@ -21,7 +23,14 @@ import time
 import zmq
 
 from pegainfer import ipc, lifecycle, multinode, protocol
-from pegainfer.config import EngineConfig, finalize, read_model_info
+from pegainfer.config import (
+    STAGE_LAUNCHED,
+    STAGE_SCHEDULER_READY,
+    STAGE_WORKERS_READY,
+    EngineConfig,
+    finalize,
+    read_model_info,
+)
 from pegainfer.manifest import write_manifest
 from pegainfer.process import PARENT_PID_ENV, set_process_title, setup_logging
 
@@ -133,18 +142,21 @@ class ProcessTree:
         tokenizer_names = [f"tokenizer-{i}" for i in range(config.num_tokenizers)]
         for i, name in enumerate(tokenizer_names):
             self.spawn(name, "frontend_proc.tokenizer_proc", "--index", str(i))
+        # Started now, they import while the workers load, then wait for their stage.
+        self.spawn("scheduler", "scheduler_proc")
+        self.spawn("frontend", "frontend_proc")
         self.wait_ready(worker_names)
 
         # Ranks may size their caches differently (profiled per GPU): plan for the smallest.
         config.num_kv_blocks = min(int(self.ready[n].info["num_kv_blocks"]) for n in worker_names)
+        config.start_stage = STAGE_WORKERS_READY
         config.save(self.run_dir)
-        self.spawn("scheduler", "scheduler_proc")
         self.wait_ready(["detokenizer", *tokenizer_names, "scheduler"])
 
         # The frontend loads no tokenizer; a tokenizer tells whether the model reasons.
         config.reasoning = bool(self.ready[tokenizer_names[0]].info.get("reasoning", False))
+        config.start_stage = STAGE_SCHEDULER_READY
         config.save(self.run_dir)
-        self.spawn("frontend", "frontend_proc")
         self.wait_ready(["frontend"])
         logger.info(
             "serving %s on http://%s:%d/v1 (ready in %.1f s; run dir %s)",
@@ -221,6 +233,7 @@ def serve(config: EngineConfig) -> int:
 
         return serve_headless(config)
     config.run_dir = make_run_dir()
+    config.start_stage = STAGE_LAUNCHED
     config.save(config.run_dir)
 
     try:

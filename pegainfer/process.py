@@ -17,7 +17,7 @@ import time
 import zmq
 
 from pegainfer import ipc, protocol
-from pegainfer.config import EngineConfig
+from pegainfer.config import STAGE_LAUNCHED, EngineConfig
 
 PARENT_PID_ENV = "PEGAINFER_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
@@ -78,8 +78,9 @@ def watch_parent(parent_pid: int, run_dir: str | None, interval: float = 0.5) ->
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
-def init_child(name: str, run_dir: str) -> EngineConfig:
-    """Name the process, attach it to its launcher's lifetime, and load the engine config."""
+def init_child(name: str, run_dir: str, stage: int = STAGE_LAUNCHED) -> EngineConfig:
+    """Name the process, attach it to its launcher's lifetime, and load the engine config
+    once the launcher's start has reached ``stage`` (pegainfer/config.py)."""
     set_process_title(name)
     config = EngineConfig.load(run_dir)
     setup_logging(name, config.log_level)
@@ -97,6 +98,8 @@ def init_child(name: str, run_dir: str) -> EngineConfig:
             os._exit(1)
         watch_parent(parent_pid, run_dir)
         signal.signal(signal.SIGTERM, lambda *_: _exit_on_sigterm(parent_pid, run_dir))
+    if config.start_stage < stage:
+        config = EngineConfig.wait_for_stage(run_dir, stage)
     return config
 
 

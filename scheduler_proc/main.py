@@ -13,7 +13,7 @@ import time
 import zmq
 
 from pegainfer import ipc
-from pegainfer.config import EngineConfig
+from pegainfer.config import STAGE_WORKERS_READY, EngineConfig
 from pegainfer.multinode import scheduler_plan_socket
 from pegainfer.process import child_args, init_child, report_ready
 from pegainfer.protocol import (
@@ -197,7 +197,7 @@ def watchdog_timeout(config: EngineConfig) -> float:
 
 def main() -> None:
     args = child_args("pegainfer scheduler")
-    config = init_child(NAME, args.run_dir)
+    config = init_child(NAME, args.run_dir, STAGE_WORKERS_READY)
     try:
         scheduler = Scheduler(config)
     except ValueError as exc:

@@ -73,3 +73,42 @@ def test_killed_child_brings_the_tree_down(tiny_qwen3_dir, tmp_path, role):
     log = server.log()
     assert f"pegainfer::{role} (pid {victim.pid}) was killed by signal SIGKILL" in log, log[-2000:]
     assert server.leftovers() == []
+
+
+def test_stop_while_starting(tiny_qwen3_dir, tmp_path):
+    """Every process is spawned at once; the scheduler and the frontend wait for the workers
+    (their start stage in config.json). A SIGTERM in the middle of that stops them all."""
+    import psutil
+
+    server = Server(
+        "--model-path",
+        tiny_qwen3_dir,
+        "--kv-cache-memory",
+        "64MiB",
+        "--max-model-len",
+        "512",
+        log_path=str(tmp_path / "pegainfer.log"),
+    )
+    launcher = psutil.Process(server.proc.pid)
+    deadline = time.monotonic() + 60
+    while len(launcher.children()) < len(ROLES) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    server.tree_pids = [p.pid for p in launcher.children(recursive=True)]
+    assert len(server.tree_pids) >= len(ROLES), server.log()[-2000:]
+    assert server.stop(signal.SIGTERM, timeout=20) == 0, server.log()[-2000:]
+    assert server.leftovers() == []
+
+
+def test_frontend_serves_only_once_the_tree_is_up(tiny_qwen3_dir, tmp_path):
+    server = _start(tiny_qwen3_dir, tmp_path)
+    try:
+        log = server.log()
+        order = [
+            log.index("worker-0 ready (pid"),
+            log.index("scheduler ready (pid"),
+            log.index("pegainfer::frontend["),
+        ]
+        assert order == sorted(order), log[-3000:]
+    finally:
+        assert server.stop() == 0
+    assert server.leftovers() == []
