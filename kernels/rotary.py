@@ -203,104 +203,45 @@ def _rotary_kernel(
             NORM,
         )
     else:
-        _rotate_kv(
-            token,
-            k_ptr,
-            v_ptr,
-            k_out_ptr,
-            k_cache_ptr,
-            v_cache_ptr,
-            slot_mapping_ptr,
-            k_norm_ptr,
-            eps,
+        # This token's k heads into the cache (or k_out), and its v heads copied there.
+        kv_heads = tl.arange(0, KV_HEADS)
+        kv_mask = kv_heads < num_kv_heads
+        if STORE_KV:
+            slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+            # A negative slot is a padding token: no head is written.
+            kv_mask = kv_heads < tl.where(slot >= 0, num_kv_heads, 0)
+            k_dst = k_cache_ptr + slot * stride_cache_slot
+            k_dst_head_stride = stride_cache_head
+        else:
+            k_dst = k_out_ptr + token * num_kv_heads * head_dim
+            k_dst_head_stride = head_dim
+        _rotate_heads(
+            k_ptr + token * stride_k_token,
+            k_dst,
+            stride_k_head,
+            k_dst_head_stride,
+            kv_mask,
             cos,
             sin,
-            stride_k_token,
-            stride_k_head,
-            stride_v_token,
-            stride_v_head,
-            stride_cache_slot,
-            stride_cache_head,
-            num_kv_heads,
             half,
             head_dim,
+            k_norm_ptr,
+            eps,
             KV_HEADS,
             HALF,
             PASS,
-            HEAD_DIM,
-            STORE_KV,
             NORM,
         )
-
-
-@triton_jit
-def _rotate_kv(
-    token,
-    k_ptr,
-    v_ptr,
-    k_out_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_mapping_ptr,
-    k_norm_ptr,
-    eps,
-    cos,
-    sin,
-    stride_k_token,
-    stride_k_head,
-    stride_v_token,
-    stride_v_head,
-    stride_cache_slot,
-    stride_cache_head,
-    num_kv_heads,
-    half,
-    head_dim,
-    KV_HEADS: tl.constexpr,
-    HALF: tl.constexpr,
-    PASS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    STORE_KV: tl.constexpr,
-    NORM: tl.constexpr,
-):
-    """Rotate one token's k heads into the cache (or ``k_out``) and copy its v heads there."""
-    kv_heads = tl.arange(0, KV_HEADS)
-    kv_mask = kv_heads < num_kv_heads
-    if STORE_KV:
-        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-        # A negative slot is a padding token: no head is written.
-        kv_mask = kv_heads < tl.where(slot >= 0, num_kv_heads, 0)
-        k_dst = k_cache_ptr + slot * stride_cache_slot
-        k_dst_head_stride = stride_cache_head
-    else:
-        k_dst = k_out_ptr + token * num_kv_heads * head_dim
-        k_dst_head_stride = head_dim
-    _rotate_heads(
-        k_ptr + token * stride_k_token,
-        k_dst,
-        stride_k_head,
-        k_dst_head_stride,
-        kv_mask,
-        cos,
-        sin,
-        half,
-        head_dim,
-        k_norm_ptr,
-        eps,
-        KV_HEADS,
-        HALF,
-        PASS,
-        NORM,
-    )
-    if STORE_KV:
-        full = tl.arange(0, HEAD_DIM)
-        v_mask = kv_mask[:, None] & (full < head_dim)[None, :]
-        v = tl.load(
-            v_ptr + token * stride_v_token + kv_heads[:, None] * stride_v_head + full[None, :],
-            mask=v_mask,
-            other=0.0,
-        )
-        v_dst = v_cache_ptr + slot * stride_cache_slot + kv_heads[:, None] * stride_cache_head
-        tl.store(v_dst + full[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+        if STORE_KV:
+            full = tl.arange(0, HEAD_DIM)
+            v_mask = kv_mask[:, None] & (full < head_dim)[None, :]
+            v = tl.load(
+                v_ptr + token * stride_v_token + kv_heads[:, None] * stride_v_head + full[None, :],
+                mask=v_mask,
+                other=0.0,
+            )
+            v_dst = v_cache_ptr + slot * stride_cache_slot + kv_heads[:, None] * stride_cache_head
+            tl.store(v_dst + full[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
