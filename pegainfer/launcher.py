@@ -33,6 +33,7 @@ from pegainfer.config import (
 )
 from pegainfer.manifest import write_manifest
 from pegainfer.process import PARENT_PID_ENV, set_process_title, setup_logging
+from pegainfer.startup_timeline import seconds_since_process_start
 
 logger = logging.getLogger("pegainfer.launcher")
 
@@ -51,6 +52,8 @@ class ProcessTree:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.run_dir = config.run_dir
+        # "Launch" is the launcher process's creation, so its own imports count too.
+        self.started = time.monotonic() - (seconds_since_process_start() or 0.0)
         self.children: dict[str, subprocess.Popen] = {}
         self.ready: dict[str, protocol.ProcessReady] = {}
         self.ctx = zmq.Context()
@@ -109,7 +112,12 @@ class ProcessTree:
             for ready in ([msg] if msg is not None else []) + self._poll_link():
                 self.ready[ready.name] = ready
                 waiting.discard(ready.name)
-                logger.info("%s ready (pid %d)", ready.name, ready.pid)
+                logger.info(
+                    "%s ready (pid %d) %.2f s after launch",
+                    ready.name,
+                    ready.pid,
+                    time.monotonic() - self.started,
+                )
 
     def stop(self) -> None:
         if self.link is not None:
@@ -134,7 +142,7 @@ class ProcessTree:
 
     def start(self) -> None:
         config = self.config
-        t0 = time.monotonic()
+        t0 = self.started
         worker_names = [f"worker-{rank}" for rank in range(config.tensor_parallel_size)]
         for rank in multinode.local_ranks(config):  # other nodes start their own ranks
             self.spawn(f"worker-{rank}", "worker_proc", "--rank", str(rank))

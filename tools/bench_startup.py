@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import shlex
 import statistics
 import time
 from typing import Any
 
+from pegainfer.startup_timeline import parse_timeline
 from tools.bench_common import (
     measure_host_to_device_bandwidth,
     print_table,
@@ -93,7 +95,31 @@ def one_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
         "exit_code": code,
         "model_root": root,
         "memory": memory,
+        **startup_breakdown(log),
     }
+
+
+_MILESTONE = re.compile(
+    r"pegainfer::launcher\[\d+\].* (\S+) ready \(pid \d+\) ([\d.]+) s after launch"
+)
+
+
+def startup_breakdown(log_path: str) -> dict[str, dict[str, float]]:
+    """From a server log: worker-0's start-up phases (its ``startup:`` line) and the seconds
+    after launch at which the launcher saw each process ready."""
+    phases: dict[str, float] = {}
+    milestones: dict[str, float] = {}
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                if "pegainfer::worker-0[" in line and not phases:
+                    phases = parse_timeline(line) or {}
+                match = _MILESTONE.search(line)
+                if match:
+                    milestones[match.group(1)] = float(match.group(2))
+    except OSError:
+        pass
+    return {"worker_phases": phases, "ready_after_launch": milestones}
 
 
 def weights_bytes(model_dir: str | None) -> int:
@@ -178,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for i, r in enumerate(runs)
         ],
     )
+    text += breakdown_tables(runs)
     payload = {
         "benchmark": "startup",
         "meta": run_metadata(argv),
@@ -224,6 +251,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     save_plot(args.out, args.name, draw, f"startup and idle memory ({model_dir})", ncols=2)
     return payload
+
+
+def breakdown_tables(runs: list[dict[str, Any]]) -> str:
+    """Median seconds of worker-0's start-up phases, and of each process's ready time."""
+
+    def medians(key: str) -> dict[str, float]:
+        names: list[str] = []
+        for r in runs:
+            names += [n for n in r.get(key, {}) if n not in names]
+        return {n: statistics.median(r[key][n] for r in runs if n in r.get(key, {})) for n in names}
+
+    text = ""
+    phases = medians("worker_phases")
+    if phases:
+        total = sum(phases.values())
+        rows = [[name, seconds, 100.0 * seconds / total] for name, seconds in phases.items()]
+        rows.append(["total", total, 100.0])
+        text += "\n" + print_table(
+            "where worker-0's start-up goes (median s; interpreter counts from its creation)",
+            ["phase", "seconds", "%"],
+            rows,
+        )
+    milestones = medians("ready_after_launch")
+    if milestones:
+        ordered = sorted(milestones.items(), key=lambda item: item[1])
+        text += "\n" + print_table(
+            "each process ready, seconds after launch (median)",
+            ["process", "ready s"],
+            [[name, seconds] for name, seconds in ordered],
+        )
+    return text
 
 
 if __name__ == "__main__":

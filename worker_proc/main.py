@@ -27,6 +27,7 @@ from pegainfer import ipc
 from pegainfer.multinode import worker_plan_socket
 from pegainfer.process import child_args, init_child, report_ready
 from pegainfer.protocol import StepPlan, StepResult
+from pegainfer.startup_timeline import StartupTimeline
 
 logger = logging.getLogger("worker_proc")
 
@@ -93,6 +94,7 @@ def serve(runner, plans: zmq.Socket, results: zmq.Socket | None) -> int:
 
 
 def main() -> int:
+    timeline = StartupTimeline()  # from the process's creation: interpreter and imports
     args = child_args("pegainfer worker: one tensor-parallel rank", with_rank=True)
     name = f"worker-{args.rank}"
     config = init_child(name, args.run_dir)
@@ -100,18 +102,20 @@ def main() -> int:
     plans = worker_plan_socket(ctx, config, args.rank)  # ipc, or TCP from another node
     results = ipc.connect(ctx, zmq.PUSH, args.run_dir, "scheduler") if args.rank == 0 else None
 
-    started = time.monotonic()
+    timeline.mark("setup")
     from worker_proc.model_runner import ModelRunner  # torch loads here, after naming
 
+    timeline.mark("torch import")
     try:
-        runner = ModelRunner(config, args.rank)
+        runner = ModelRunner(config, args.rank, timeline=timeline)
     except Exception:
         logger.exception("%s failed to start", name)
         return 1
+    logger.info(timeline.summary())
     logger.info(
         "%s ready in %.2f s (weights %.2f s): %s on %s, %s, %d KV blocks of %d tokens",
         name,
-        time.monotonic() - started,
+        timeline.total,
         runner.load_seconds,
         runner.model_config.architecture,
         runner.device,

@@ -25,6 +25,7 @@ from pegainfer.protocol import (
     StepResult,
     unpack_ids,
 )
+from pegainfer.startup_timeline import StartupTimeline
 from worker_proc.batch import (
     SequenceState,
     StepBatch,
@@ -97,10 +98,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, rank: int = 0, graph_backend: GraphBackend | None = None
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        graph_backend: GraphBackend | None = None,
+        timeline: StartupTimeline | None = None,
     ) -> None:
         """``graph_backend``: how decode graphs are captured; default: CUDA graphs on a GPU
-        unless ``config.enforce_eager``, none on the CPU (tests pass a stand-in)."""
+        unless ``config.enforce_eager``, none on the CPU (tests pass a stand-in).
+        ``timeline``: where the start-up phases are marked (the worker logs it)."""
+        self.timeline = timeline = timeline or StartupTimeline(first_phase=None)
         self.config = config
         self.rank = rank
         # On node k > 0 the ranks take the node's own GPUs from 0 (pegainfer/multinode.py).
@@ -109,7 +116,10 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            torch.cuda.init()  # the context's creation counts as its own phase
+            torch.empty(1, device=self.device)
         init_distributed(config, rank, self.device)
+        timeline.mark("device")
 
         started = time.monotonic()
         self.model_config = load_model_config(config.model_path)
@@ -118,6 +128,7 @@ class ModelRunner:
                 self.model_config, config.model_path, self.device, self.dtype, config.max_model_len
             )
         self.load_seconds = time.monotonic() - started
+        timeline.mark("weights")
 
         attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_spec = KVCacheSpec(
@@ -128,6 +139,7 @@ class ModelRunner:
             dtype=self.dtype,
         )
         self.num_kv_blocks = self._decide_num_blocks()
+        timeline.mark("kv profile")
         check_capacity(self.num_kv_blocks, self.block_size, config.max_model_len)
         self.kv_storage, kv_caches = allocate_kv_cache(
             self.kv_spec, self.num_kv_blocks, self.device
@@ -151,6 +163,7 @@ class ModelRunner:
         self.logprobs = LogprobsCollector()  # only for sequences that ask
         self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         self._early_results: list[StepResult] = []  # copied back ahead of poll_results
+        timeline.mark("kv cache")
 
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
@@ -169,6 +182,7 @@ class ModelRunner:
             )
             self.graphs, self.prefill_graphs = captured.decode, captured.prefill
             self.graph_capture_seconds = captured.seconds
+        timeline.mark("graphs")
 
     # ------------------------------------------------------------------ KV cache sizing
 
