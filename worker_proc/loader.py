@@ -25,7 +25,8 @@ from torch import nn
 
 from worker_proc.model_config import ModelConfig
 from worker_proc.models.registry import build_model
-from worker_proc.weight_slice import WeightSlice
+from worker_proc.pinned_reader import PinnedReader, SafetensorsFile
+from worker_proc.weight_slice import TORCH_DTYPES, WeightSlice
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,44 @@ def iterate_weight_slices(
     model_path: str, device: torch.device
 ) -> Iterator[tuple[str, WeightSlice]]:
     """Yield ``(name, WeightSlice)`` for every tensor of the checkpoint; nothing is read
-    until the consumer narrows or materializes the slice (while the file is still open)."""
+    until the consumer narrows or materializes the slice (while the file is still open).
+
+    On a GPU, row ranges and whole tensors are read through pinned staging buffers
+    (worker_proc/pinned_reader.py), tensors in file order; other indexing goes through
+    safetensors."""
+    if device.type != "cuda":
+        yield from _safetensors_slices(model_path, device)
+        return
+    with PinnedReader(device) as reader:
+        for path in checkpoint_files(model_path):
+            table = SafetensorsFile(path)
+            try:
+                with safe_open(path, framework="pt", device=str(device)) as f:
+                    for name in table.names_in_file_order():
+                        yield name, _pinned_slice(f, table, name, reader)
+            finally:
+                table.close()
+
+
+def _pinned_slice(f, table: SafetensorsFile, name: str, reader: PinnedReader) -> WeightSlice:
+    entry = table.entries[name]
+    dtype = TORCH_DTYPES.get(entry.dtype)
+
+    def read_all() -> torch.Tensor:
+        return f.get_tensor(name)
+
+    def read_rows(start: int, length: int) -> torch.Tensor:
+        row = entry.row_bytes
+        data = reader.read(table.fd, entry.begin + start * row, length * row)
+        return data.view(dtype).view(length, *entry.shape[1:])
+
+    fast = dtype is not None and len(entry.shape) > 0
+    return WeightSlice(
+        name, f.get_slice(name), read_all, reader.device, read_rows if fast else None
+    )
+
+
+def _safetensors_slices(model_path: str, device: torch.device) -> Iterator[tuple[str, WeightSlice]]:
     target = str(device) if device.type != "cpu" else "cpu"
     for path in checkpoint_files(model_path):
         with safe_open(path, framework="pt", device=target) as f:
