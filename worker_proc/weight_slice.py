@@ -87,18 +87,25 @@ class WeightSlice:
                 f"{self.name}: [{start}, {start + length}) is outside dim {dim} of "
                 f"{tuple(self.shape)}"
             )
-        if dim == 0 and self._read_rows is not None:
-            return self._done(self._read_rows(start, length))
+        if self._read_rows is not None and (dim == 0 or (start, length) == (0, self.shape[dim])):
+            # All of a later dimension (a row-parallel weight on one rank) is all the rows.
+            return self._done(self._read_rows(start, length) if dim == 0 else self._whole())
         index = (slice(None),) * dim + (slice(start, start + length),)
         return self._done(self._slice[index])
 
     def __getitem__(self, index: Any) -> torch.Tensor:
+        rows = _leading_rows(index, self.shape)
+        if rows is not None and self._read_rows is not None:
+            return self._done(self._read_rows(*rows))
         return self._done(self._slice[index])
 
     def materialize(self) -> torch.Tensor:
         if self._read_rows is not None and self.ndim > 0:
-            return self._done(self._read_rows(0, self.shape[0]))
+            return self._done(self._whole())
         return self._done(self._read_all())
+
+    def _whole(self) -> torch.Tensor:
+        return self._read_rows(0, self.shape[0])
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -112,6 +119,21 @@ class WeightSlice:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self.materialize(), name)
+
+
+def _leading_rows(index: Any, shape: torch.Size) -> tuple[int, int] | None:
+    """``(start, length)`` when ``index`` selects a range of the first dimension and all of
+    the others (``t[a:b]``, ``t[a:b, :]``), else None."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if not parts or len(parts) > len(shape):
+        return None
+    first, rest = parts[0], parts[1:]
+    if not isinstance(first, slice) or first.step not in (None, 1):
+        return None
+    if any(part != slice(None) for part in rest):
+        return None
+    start, stop, _ = first.indices(shape[0])
+    return start, max(stop - start, 0)
 
 
 def read_whole(loaded: torch.Tensor | WeightSlice) -> torch.Tensor:
