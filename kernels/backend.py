@@ -99,6 +99,24 @@ def load_triton() -> ModuleType:
         return _triton
 
 
+def warm_up_triton() -> None:
+    """Pay, ahead of the first launch, what it would: Triton's import, the kernels' binding
+    and Triton's cache key (a hash of its own sources and library, some 0.4 s). Safe to run
+    in a background thread (the worker runs it while the weights load); the hash releases
+    the GIL."""
+    if not _triton_available():
+        return
+    load_triton()
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # where another Triton version keeps it
+        try:
+            from triton.compiler.compiler import triton_key
+        except ImportError:
+            return
+    triton_key()
+
+
 def dot_needs_fp32(dtype: torch.dtype) -> bool:
     """True when ``tl.dot`` must get float32 operands: Triton's CPU interpreter multiplies
     bfloat16 tiles as their raw uint16 bits. Never true on a GPU."""

@@ -24,10 +24,11 @@ import traceback
 import zmq
 
 from pegainfer import ipc
-from pegainfer.multinode import worker_plan_socket
+from pegainfer.multinode import local_rank, worker_plan_socket
 from pegainfer.process import child_args, init_child, report_ready
 from pegainfer.protocol import StepPlan, StepResult
 from pegainfer.startup_timeline import StartupTimeline
+from worker_proc.cuda_context import device_ordinal, start_primary_context
 
 logger = logging.getLogger("worker_proc")
 
@@ -98,6 +99,10 @@ def main() -> int:
     args = child_args("pegainfer worker: one tensor-parallel rank", with_rank=True)
     name = f"worker-{args.rank}"
     config = init_child(name, args.run_dir)
+    # The CUDA context is created while torch imports (worker_proc/cuda_context.py).
+    context_thread = start_primary_context(
+        device_ordinal(config.device, local_rank(config, args.rank))
+    )
     ctx = zmq.Context()
     plans = worker_plan_socket(ctx, config, args.rank)  # ipc, or TCP from another node
     results = ipc.connect(ctx, zmq.PUSH, args.run_dir, "scheduler") if args.rank == 0 else None
@@ -106,6 +111,9 @@ def main() -> int:
     from worker_proc.model_runner import ModelRunner  # torch loads here, after naming
 
     timeline.mark("torch import")
+    if context_thread is not None:
+        context_thread.join()
+        timeline.mark("cuda context")
     try:
         runner = ModelRunner(config, args.rank, timeline=timeline)
     except Exception:

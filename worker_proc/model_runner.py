@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 
 import torch
 
+from kernels.backend import warm_up_triton
 from pegainfer.config import EngineConfig
 from pegainfer.multinode import local_rank
 from pegainfer.protocol import (
@@ -36,7 +38,7 @@ from worker_proc.batch import (
 )
 from worker_proc.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
 from worker_proc.forward_context import ForwardContext, set_forward_context
-from worker_proc.graph_capture import capture_graphs
+from worker_proc.graph_capture import capture_graphs, release_warm_up_memory
 from worker_proc.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
@@ -123,11 +125,19 @@ class ModelRunner:
 
         started = time.monotonic()
         self.model_config = load_model_config(config.model_path)
+        # Triton's import and cache key take most of a second, and the weights' load leaves
+        # the CPU waiting on reads and copies: let the two overlap.
+        triton_warm_up = None
+        if self.device.type == "cuda":
+            triton_warm_up = threading.Thread(target=warm_up_triton, name="triton-warm-up")
+            triton_warm_up.start()
         with torch.inference_mode():
             self.model = load_model(
                 self.model_config, config.model_path, self.device, self.dtype, config.max_model_len
             )
         self.load_seconds = time.monotonic() - started
+        if triton_warm_up is not None:
+            triton_warm_up.join()
         timeline.mark("weights")
 
         attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -182,6 +192,7 @@ class ModelRunner:
             )
             self.graphs, self.prefill_graphs = captured.decode, captured.prefill
             self.graph_capture_seconds = captured.seconds
+            release_warm_up_memory(self.device)
         timeline.mark("graphs")
 
     # ------------------------------------------------------------------ KV cache sizing

@@ -1,0 +1,60 @@
+"""The worker's start-up overlaps: the CUDA context made while torch imports, and Triton
+warmed while the weights load."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from worker_proc.cuda_context import (
+    _retain_primary_context,
+    device_ordinal,
+    start_primary_context,
+)
+
+
+@pytest.mark.parametrize(
+    "device,rank,ordinal",
+    [("cpu", 0, None), ("auto", 1, 1), ("cuda", 2, 2), ("cuda:3", 1, 4), ("cuda:x", 0, None)],
+)
+def test_device_ordinal_matches_the_runner(device, rank, ordinal):
+    assert device_ordinal(device, rank) == ordinal
+
+
+def test_no_thread_for_the_cpu():
+    assert start_primary_context(None) is None
+
+
+def test_primary_context_is_made_where_there_is_a_gpu():
+    thread = start_primary_context(0)
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert _retain_primary_context(0) is torch.cuda.is_available()
+    # An ordinal past the last GPU fails quietly, leaving the error to torch.
+    assert _retain_primary_context(10_000) is False
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_triton_warm_up_binds_the_kernels(disabled):
+    """In a fresh interpreter: the warm-up imports Triton and binds every kernel, unless
+    Triton is switched off; either way it returns."""
+    code = (
+        "import sys, kernels.backend as b, kernels.rmsnorm as r; b.warm_up_triton(); "
+        "print(int('triton' in sys.modules), int(b._triton is not None), "
+        "int(type(r._rms_norm_kernel).__name__ == 'JITFunction'))"
+    )
+    env = dict(os.environ, PEGAINFER_DISABLE_TRITON="1" if disabled else "0")
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    flags = out.stdout.split()
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        assert flags == ["0", "0", "0"]
+        return
+    assert flags == (["0", "0", "0"] if disabled else ["1", "1", "1"])
