@@ -23,6 +23,7 @@ over the same static buffers, which exercises bucket choice, padding and buffer 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -65,6 +66,7 @@ class CudaGraphBackend:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> Replay:
         # One eager run first: lazy initialisation (cuBLAS workspaces, Triton compilation
@@ -72,8 +74,18 @@ class CudaGraphBackend:
         fn()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = fn()
+        # Not torch.cuda.graph(), which empties the allocator's cache before every capture:
+        # each warm-up run would then allocate its activations from the driver again. Sizes
+        # are captured largest first, so one warm-up's cached blocks serve the next.
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                output = fn()
+            except BaseException:
+                with contextlib.suppress(Exception):  # the first error is the one to see
+                    graph.capture_end()
+                raise
+            graph.capture_end()
 
         def replay() -> torch.Tensor:
             graph.replay()

@@ -74,3 +74,10 @@ def capture_graphs(
         return captured
     captured.prefill = prefill
     return captured
+
+
+def release_warm_up_memory(device: torch.device) -> None:
+    """Give back what the eager warm-up runs left in the allocator's cache (the capture
+    keeps it, so that each warm-up reuses the last one's blocks)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
