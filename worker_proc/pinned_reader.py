@@ -14,6 +14,7 @@ with an asynchronous copy while the threads fill the next one.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -71,10 +72,33 @@ class SafetensorsFile:
 
 
 class _Staging:
+    """A buffer of anonymous memory, page-locked with the driver when ``pinned``.
+
+    Not ``torch.empty(pin_memory=True)``: torch's pinned-memory cache hands a block back to
+    the system only once its copies are known to be done, and a worker that kept one would
+    carry it, resident, for its whole life. A registered mapping is unregistered and unmapped
+    at ``release``, deterministically."""
+
     def __init__(self, nbytes: int, pinned: bool) -> None:
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        self.view = memoryview(self.tensor.numpy())
+        self._memory = mmap.mmap(-1, nbytes)
+        self.tensor = torch.frombuffer(self._memory, dtype=torch.uint8)
+        self.view = memoryview(self._memory)
         self.copied: torch.cuda.Event | None = None  # the last copy out of this buffer
+        self._registered = pinned and _register(self.tensor.data_ptr(), nbytes)
+
+    def release(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+        del self.tensor
+        self.view.release()
+        self._memory.close()
+
+
+def _register(address: int, nbytes: int) -> bool:
+    # Unregistered, the copies still work: pageable copies are staged by the driver.
+    return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)) == 0
 
 
 class PinnedReader:
@@ -109,14 +133,10 @@ class PinnedReader:
         self.close()
 
     def close(self) -> None:
+        self._pool.shutdown()  # no read may still be writing into a buffer
         for staging in self._buffers:
-            if staging.copied is not None:
-                staging.copied.synchronize()
-        self._pool.shutdown()
+            staging.release()
         self._buffers.clear()
-        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
-        if self._on_cuda and empty_host_cache is not None:
-            empty_host_cache()
 
     def read(self, fd: int, offset: int, nbytes: int) -> torch.Tensor:
         """``nbytes`` of the file at ``offset``, as a uint8 tensor on the device. Returns
