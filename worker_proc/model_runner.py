@@ -43,10 +43,9 @@ from worker_proc.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
     check_capacity,
-    default_cpu_kv_bytes,
     log_kv_cache,
-    profiled_kv_bytes,
 )
+from worker_proc.kv_profile import decide_num_blocks
 from worker_proc.layers.attention import Attention, bind_kv_caches
 from worker_proc.live_seqs import LiveSequences
 from worker_proc.live_seqs import PlanError as PlanError  # re-exported for callers
@@ -148,7 +147,9 @@ class ModelRunner:
             block_size=self.block_size,
             dtype=self.dtype,
         )
-        self.num_kv_blocks = self._decide_num_blocks()
+        self.num_kv_blocks = decide_num_blocks(
+            config, self.kv_spec, self.model, self.device, self._forward
+        )
         timeline.mark("kv profile")
         check_capacity(self.num_kv_blocks, self.block_size, config.max_model_len)
         self.kv_storage, kv_caches = allocate_kv_cache(
@@ -194,61 +195,6 @@ class ModelRunner:
             self.graph_capture_seconds = captured.seconds
             release_warm_up_memory(self.device)
         timeline.mark("graphs")
-
-    # ------------------------------------------------------------------ KV cache sizing
-
-    def _decide_num_blocks(self) -> int:
-        if self.config.kv_cache_memory > 0:
-            kv_bytes = self.config.kv_cache_memory
-        elif self.device.type == "cuda":
-            kv_bytes = self._profile_kv_bytes()
-        else:
-            kv_bytes = default_cpu_kv_bytes(self.config, self.kv_spec)
-        return max(kv_bytes // self.kv_spec.bytes_per_block, 0)
-
-    @torch.inference_mode()
-    def _profile_kv_bytes(self) -> int:
-        """Run the largest batch the scheduler may send and see how much memory is left."""
-        config = self.config
-        lengths, remaining = [], config.max_num_batched_tokens
-        while remaining > 0 and len(lengths) < config.max_num_seqs:
-            lengths.append(min(remaining, config.max_model_len))
-            remaining -= lengths[-1]
-        temp_blocks = sum(self.kv_spec.blocks_for_tokens(n) for n in lengths)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        temp_storage, temp_caches = allocate_kv_cache(self.kv_spec, temp_blocks, self.device)
-        bind_kv_caches(self.model, temp_caches)
-        tables, next_block = [], 0
-        for n in lengths:
-            count = self.kv_spec.blocks_for_tokens(n)
-            tables.append(list(range(next_block, next_block + count)))
-            next_block += count
-        tokens = [[0] * n for n in lengths]
-        batch = build_batch(
-            tokens, tables, [0] * len(lengths), lengths, self.block_size, self.device
-        )
-        hidden = self._forward(batch)
-        # The logits of a full decode batch are the other large transient.
-        rows = min(config.max_num_seqs, hidden.shape[0])
-        self.model.compute_logits(hidden[:rows]).float().softmax(dim=-1)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - temp_storage.nbytes
-        del temp_storage, temp_caches, hidden, batch
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        kv_bytes = profiled_kv_bytes(config.gpu_memory_utilization, total, peak, outside_torch)
-        logger.info(
-            "profile: peak %.2f GiB at %d tokens, %.2f GiB held outside torch, %.2f GiB total "
-            "-> %.2f GiB for the KV cache",
-            peak / 2**30,
-            sum(lengths),
-            outside_torch / 2**30,
-            total / 2**30,
-            kv_bytes / 2**30,
-        )
-        return kv_bytes
 
     # ------------------------------------------------------------------ plans
 
