@@ -117,11 +117,17 @@ def measure_matmul_rate(device: Any, dtype: Any, n: int | None = None, repeats: 
     return 2 * n**3 / seconds
 
 
-def measure_host_to_device_bandwidth(device: Any, nbytes: int = 256 << 20) -> float:
-    """Bytes per second from pageable host memory to ``device`` (a memcpy on the CPU)."""
+def measure_host_to_device_bandwidth(
+    device: Any, nbytes: int = 256 << 20, pinned: bool = False
+) -> float:
+    """Bytes per second from host memory to ``device``: pageable memory (the driver stages
+    it), or page-locked memory (``pinned``: a DMA, on CUDA only) as the worker's loader
+    uses; on the CPU, a memcpy."""
     import torch
 
     src = torch.ones(nbytes // 2, dtype=torch.float16)
+    if pinned and device.type == "cuda":
+        src = src.pin_memory()
     if device.type == "cuda":
         dst = torch.empty_like(src, device=device)
         times = time_op(lambda: dst.copy_(src), device, 5)
