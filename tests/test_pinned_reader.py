@@ -136,6 +136,7 @@ def test_cuda_reads_match_safetensors(checkpoint):
             PinnedReader(device, buffer_bytes=128, num_buffers=2) as reader,
             safe_open(path, framework="pt", device="cpu") as f,
         ):
+            assert all(buffer._registered for buffer in reader._buffers)  # page-locked
             for name, tensor in tensors.items():
                 got = _pinned_slice(f, table, name, reader).materialize()
                 assert got.device.type == "cuda"

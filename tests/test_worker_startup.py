@@ -13,7 +13,9 @@ import torch
 from worker_proc.cuda_context import (
     _retain_primary_context,
     device_ordinal,
+    register_host_memory,
     start_primary_context,
+    unregister_host_memory,
 )
 
 
@@ -58,3 +60,25 @@ def test_triton_warm_up_binds_the_kernels(disabled):
         assert flags == ["0", "0", "0"]
         return
     assert flags == (["0", "0", "0"] if disabled else ["1", "1", "1"])
+
+
+def test_host_memory_is_page_locked_where_there_is_a_gpu():
+    """Through the driver: True with a GPU (and the copy from it is a DMA), a plain False
+    without one."""
+    import mmap
+
+    memory = mmap.mmap(-1, 1 << 20)
+    host = torch.frombuffer(memory, dtype=torch.uint8)
+    host.fill_(7)
+    if not torch.cuda.is_available():
+        assert register_host_memory(host.data_ptr(), host.numel()) is False
+    else:
+        torch.empty(1, device="cuda")  # the context this thread registers with
+        assert register_host_memory(host.data_ptr(), host.numel()) is True
+        device = torch.empty_like(host, device="cuda")
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        assert int(device.sum()) == 7 * host.numel()
+        unregister_host_memory(host.data_ptr())
+    del host
+    memory.close()

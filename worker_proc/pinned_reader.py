@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker_proc.cuda_context import register_host_memory, unregister_host_memory
+
 BUFFER_BYTES = 64 << 20
 NUM_BUFFERS = 4
 # Each thread's share of a buffer; smaller shares only add syscalls.
@@ -84,21 +86,17 @@ class _Staging:
         self.tensor = torch.frombuffer(self._memory, dtype=torch.uint8)
         self.view = memoryview(self._memory)
         self.copied: torch.cuda.Event | None = None  # the last copy out of this buffer
-        self._registered = pinned and _register(self.tensor.data_ptr(), nbytes)
+        # Unregistered, the copies still work: the driver stages pageable memory itself.
+        self._registered = pinned and register_host_memory(self.tensor.data_ptr(), nbytes)
 
     def release(self) -> None:
         if self.copied is not None:
             self.copied.synchronize()
         if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            unregister_host_memory(self.tensor.data_ptr())
         del self.tensor
         self.view.release()
         self._memory.close()
-
-
-def _register(address: int, nbytes: int) -> bool:
-    # Unregistered, the copies still work: pageable copies are staged by the driver.
-    return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)) == 0
 
 
 class PinnedReader:
