@@ -120,6 +120,10 @@ class PinnedReader:
         self.num_threads = num_threads or min(8, os.cpu_count() or 1)
         self.min_piece_bytes = min_piece_bytes
         self._on_cuda = device.type == "cuda"
+        if self._on_cuda:
+            # The buffers are page-locked for the CUDA context current on this thread: make
+            # it torch's (any runtime call that needs the context does).
+            torch.cuda.synchronize(device)
         self._buffers = [_Staging(buffer_bytes, self._on_cuda) for _ in range(num_buffers)]
         self._next = 0
         self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="weights-read")
