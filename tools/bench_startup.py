@@ -250,9 +250,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         axes[1].set_xticks([0], ["PSS" if pss is not None else "RSS"])
         axes[1].set_ylabel("MB, loaded and idle")
         axes[1].legend(fontsize="small")
+        draw_phases(axes[2], runs)
 
-    save_plot(args.out, args.name, draw, f"startup and idle memory ({model_dir})", ncols=2)
+    save_plot(args.out, args.name, draw, f"startup and idle memory ({model_dir})", ncols=3)
     return payload
+
+
+def draw_phases(axes: Any, runs: list[dict[str, Any]]) -> None:
+    """Worker-0's start-up phases, stacked, one bar per run."""
+    phases: list[str] = []
+    for r in runs:
+        phases += [p for p in r.get("worker_phases", {}) if p not in phases]
+    bottoms = [0.0] * len(runs)
+    for phase in phases:
+        values = [r.get("worker_phases", {}).get(phase, 0.0) for r in runs]
+        axes.bar(range(len(runs)), values, 0.6, bottom=bottoms, label=phase)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    axes.axhline(READY_TARGET_S, color="red", linestyle=":", label="target (tree ready)")
+    axes.set_xticks(range(len(runs)), [str(i) for i in range(len(runs))])
+    axes.set_xlabel("run")
+    axes.set_ylabel("seconds, worker-0 from its creation")
+    axes.set_title("where the worker's start-up goes")
+    if phases:
+        axes.legend(fontsize="small")
 
 
 def breakdown_tables(runs: list[dict[str, Any]]) -> str:
