@@ -47,10 +47,10 @@ def start_primary_context(ordinal: int | None) -> threading.Thread | None:
 def _driver() -> ctypes.CDLL | None:
     try:
         driver = ctypes.CDLL("libcuda.so.1")  # ctypes calls release the GIL
-    except OSError:
+        driver.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        driver.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    except (OSError, AttributeError):  # no driver, or one without these entry points
         return None
-    driver.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-    driver.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
     return driver
 
 
