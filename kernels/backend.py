@@ -17,6 +17,7 @@ Set ``TRITON_INTERPRET=1`` before the first ``load_triton()`` to run kernels on 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from typing import Any, TypeVar
 import torch
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+logger = logging.getLogger(__name__)
 
 _pending: list[Callable[..., Any]] = []
 _lock = threading.Lock()
@@ -104,17 +107,17 @@ def warm_up_triton() -> None:
     and Triton's cache key (a hash of its own sources and library, some 0.4 s). Safe to run
     in a background thread (the worker runs it while the weights load); the hash releases
     the GIL."""
-    if not _triton_available():
-        return
-    load_triton()
     try:
-        from triton.runtime.cache import triton_key
-    except ImportError:  # where another Triton version keeps it
-        try:
-            from triton.compiler.compiler import triton_key
-        except ImportError:
+        if not _triton_available():
             return
-    triton_key()
+        load_triton()
+        try:
+            from triton.runtime.cache import triton_key
+        except ImportError:  # where another Triton version keeps it
+            from triton.compiler.compiler import triton_key
+        triton_key()
+    except Exception:  # only a warm-up: the first launch reports a real failure
+        logger.warning("Triton warm-up failed", exc_info=True)
 
 
 def dot_needs_fp32(dtype: torch.dtype) -> bool:

@@ -83,3 +83,15 @@ def test_host_memory_is_page_locked_where_there_is_a_gpu():
         unregister_host_memory(host.data_ptr())
     del host
     memory.close()
+
+
+def test_a_failing_triton_warm_up_only_logs(monkeypatch, caplog):
+    import kernels.backend as backend
+
+    def broken() -> bool:
+        raise RuntimeError("no Triton driver")
+
+    monkeypatch.setattr(backend, "_triton_available", broken)
+    with caplog.at_level("WARNING", logger="kernels.backend"):
+        backend.warm_up_triton()  # the worker's load goes on; the first launch would report
+    assert "Triton warm-up failed" in caplog.text and "no Triton driver" in caplog.text
