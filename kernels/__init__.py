@@ -2,7 +2,9 @@
 
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention, store_kv
+from kernels.backend import use_triton
 from kernels.linear import linear
+from kernels.prefill_attention import prefill_queries_per_tile, prefill_work_table
 from kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_and_store_kv, rotary_embedding
 
@@ -10,9 +12,12 @@ __all__ = [
     "fused_add_rms_norm",
     "linear",
     "paged_attention",
+    "prefill_queries_per_tile",
+    "prefill_work_table",
     "rms_norm",
     "rotary_and_store_kv",
     "rotary_embedding",
     "silu_and_mul",
     "store_kv",
+    "use_triton",
 ]

@@ -247,6 +247,7 @@ def paged_attention_triton(
     max_query_len: int = 0,
     max_context_len: int = 0,
     split_seqs: int = 0,
+    work_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode batches (``max_query_len == 1``, one row per sequence) take the split-K decode
     kernel, which never syncs with the host and so can be captured in a CUDA graph; every
@@ -267,6 +268,7 @@ def paged_attention_triton(
         max_query_len,
         max_context_len,
         split_seqs=split_seqs,
+        work_table=work_table,
     )
 
 
@@ -294,14 +296,16 @@ def paged_attention(
     max_query_len: int = 0,
     max_context_len: int = 0,
     split_seqs: int = 0,
+    work_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [T, num_heads, head_dim]`` over the paged cache (see the
     module docstring). Pass ``max_query_len``/``max_context_len`` as host integers: with
     them the decode path never syncs and can be captured in a CUDA graph (there,
     ``max_context_len`` only sizes the split grid; ``max_model_len`` is always correct).
     ``split_seqs`` (0: all) is how many sequences a prefill's split over keys is planned
-    for; it changes how the work is spread, never the result."""
+    for; it changes how the work is spread, never the result. ``work_table``: the batch's
+    ``prefill_work_table``, when a caller shares one over layers (prefill kernel only)."""
     args = (q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
     if use_triton(q):
-        return paged_attention_triton(*args, max_query_len, max_context_len, split_seqs)
+        return paged_attention_triton(*args, max_query_len, max_context_len, split_seqs, work_table)
     return paged_attention_ref(*args, max_query_len, max_context_len)

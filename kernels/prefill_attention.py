@@ -7,11 +7,20 @@ from the cache through the block table (the step's keys are already stored, and 
 prefix is simply more keys). So one kernel serves whole prompts, chunked prefill, prefix
 hits and, in a mixed batch, decode rows.
 
-Grid ``(query tiles, num_kv_heads, num_seqs)``. The ``BLOCK_M`` rows of a tile are
+Grid ``(work items x splits, num_kv_heads)``. The ``BLOCK_M`` rows of a query tile are
 ``BLOCK_M // GROUP_PAD`` consecutive queries times every query head of one KV head group,
 so each K/V tile loaded from the cache serves the whole group. Scores and the online
 softmax are float32 (exp2, scale folded in); both products run in the input dtype on
 tensor cores with float32 accumulation.
+
+Which tile of which sequence a program takes comes from a work table
+(``prefill_work_table``): one entry per query tile of the batch, built on the device from
+``query_start_loc`` once per step and shared by every layer, then ``-1`` up to
+``cdiv(num_tokens, queries_per_tile) + num_seqs`` entries, the most any batch of that many
+tokens and sequences can have. A grid of every sequence times the longest sequence's tiles
+would be mostly programs that exit at once: a mixed batch of one 1,024-token prompt and 30
+decodes launched 16k of them for 760 with work, and a captured graph, sized for its
+largest batch, more still; each empty program still holds a full program's registers.
 
 A few queries over a long context (a prompt's tail after a prefix-cache hit) give too few
 programs to fill the GPU, each walking thousands of keys. Then the keys are also split
@@ -45,6 +54,7 @@ LOG2_E = 1.4426950408889634
 # in the middle of serving (0.7 s on an H200, seen as one slow batch of requests).
 @triton_jit(do_not_specialize=("num_splits", "num_tokens", "stride_table_seq"))
 def _prefill_kernel(
+    work_ptr,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -76,12 +86,12 @@ def _prefill_kernel(
     DOT_FP32: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    # Tiles run last-first: the late tiles of a long prompt see the most keys, and
-    # starting them early evens out the tail of the launch.
-    tile = tl.num_programs(0) // num_splits - 1 - tl.program_id(0) // num_splits
+    work = tl.load(work_ptr + tl.program_id(0) // num_splits)
     split = tl.program_id(0) % num_splits
     kv_head = tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
+    # An entry is seq << 16 | tile; -1 (no work) gives seq 0 and tile 0xFFFF, past any query.
+    seq = tl.maximum(work >> 16, 0).to(tl.int64)
+    tile = work & 0xFFFF
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
     context_len = tl.load(context_lens_ptr + seq)
@@ -224,6 +234,42 @@ def prefill_tile_config(dtype: torch.dtype, head_dim: int, group: int) -> tuple[
     return max(block_m, group_pad, 16), block_n, warps
 
 
+def prefill_queries_per_tile(dtype: torch.dtype, head_dim: int, group: int) -> int:
+    """Queries in one program's tile with the default tiles: what a work table is built
+    for (``prefill_work_table``)."""
+    block_m = prefill_tile_config(dtype, head_dim, group)[0]
+    return block_m // next_power_of_2(group)
+
+
+def prefill_work_table(
+    query_start_loc: torch.Tensor, num_tokens: int, queries_per_tile: int
+) -> torch.Tensor:
+    """The prefill kernel's work items for a varlen batch: ``int32 [cdiv(num_tokens,
+    queries_per_tile) + num_seqs]``, entry ``seq << 16 | tile`` for every query tile of every
+    sequence (each sequence's tiles last-first: the late tiles of a long prompt see the most
+    keys, and starting them early evens out the tail of the launch), then ``-1``.
+
+    Torch ops on ``query_start_loc``'s device with no host sync, so a CUDA graph captures
+    them and a replay rebuilds the table from whatever batch it is given; ``num_tokens``
+    (at least the batch's real queries) and the sequence count are all that sizes it."""
+    num_seqs = query_start_loc.shape[0] - 1
+    num_items = cdiv(num_tokens, queries_per_tile) + num_seqs
+    if num_seqs >= 1 << 15 or cdiv(num_tokens, queries_per_tile) >= 1 << 16:
+        raise ValueError(f"{num_tokens} tokens in {num_seqs} sequences exceed the work table")
+    device = query_start_loc.device
+    if num_seqs == 0:
+        return torch.full((num_items,), -1, dtype=torch.int32, device=device)
+    starts = query_start_loc.to(torch.int32)
+    tiles = (starts[1:] - starts[:-1] + queries_per_tile - 1) // queries_per_tile
+    ends = torch.cumsum(tiles, 0, dtype=torch.int32)
+    items = torch.arange(num_items, dtype=torch.int32, device=device)
+    seq = torch.searchsorted(ends, items, right=True).clamp_(max=num_seqs - 1)
+    # Item w of sequence s (its tiles at ends[s] - tiles[s] .. ends[s] - 1) takes tile
+    # ends[s] - 1 - w: the last first.
+    entry = (seq.to(torch.int32) << 16) | (ends[seq] - 1 - items)
+    return torch.where(items < ends[-1], entry, -1)
+
+
 # A split covers at least this many keys; at most this many splits.
 MIN_SPLIT_KEYS = 512
 MAX_SPLITS = 16
@@ -254,8 +300,12 @@ def paged_prefill_attention_triton(
     block_n: int | None = None,
     num_splits: int | None = None,
     split_seqs: int = 0,
+    work_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [T, num_heads, head_dim]`` over the paged cache.
+
+    ``work_table``: this batch's ``prefill_work_table`` for the default tiles, which a caller
+    running many layers over one batch builds once; without it, it is built here.
 
     ``max_query_len`` sizes the grid; when 0 it is read from ``query_start_loc`` (one host
     sync, fine for eager prefill). ``max_context_len`` (0: unknown, no split) decides the
@@ -279,8 +329,6 @@ def paged_prefill_attention_triton(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     if max_query_len <= 0:
         return out
-    if num_seqs > 65535:
-        raise ValueError(f"{num_seqs} sequences exceed the grid limit of 65535")
     load_triton()
     group = num_heads // num_kv_heads
     group_pad = next_power_of_2(group)
@@ -288,6 +336,13 @@ def paged_prefill_attention_triton(
     block_m = max(block_m or default_m, group_pad, 16)
     block_n = block_n or default_n
     queries_per_tile = block_m // group_pad
+    if work_table is None:
+        work_table = prefill_work_table(query_start_loc, num_tokens, queries_per_tile)
+    elif work_table.shape != (cdiv(num_tokens, queries_per_tile) + num_seqs,):
+        raise ValueError(
+            f"work table of shape {tuple(work_table.shape)} is not for {num_tokens} tokens "
+            f"in {num_seqs} sequences at {queries_per_tile} queries a tile"
+        )
     fp32 = k_cache.dtype == torch.float32  # q is cast to the cache dtype in the kernel
     tiles = cdiv(max_query_len, queries_per_tile)
     if num_splits is None:
@@ -304,8 +359,9 @@ def paged_prefill_attention_triton(
         )
     else:
         partial_out = partial_lse = out  # unused
-    grid = (tiles * num_splits, num_kv_heads, num_seqs)
+    grid = (work_table.shape[0] * num_splits, num_kv_heads)
     _prefill_kernel[grid](
+        work_table,
         q,
         k_cache,
         v_cache,

@@ -12,6 +12,7 @@ from pegainfer.protocol import BlockTableUpdate, NewSequence, SamplingParams, St
 from worker_proc.batch import SequenceState, TokensNotOnHost, layout_step
 from worker_proc.cuda_graphs import EagerGraphBackend, capture_sizes, pick_size
 from worker_proc.model_runner import ModelRunner
+from worker_proc.prefill_graphs import PrefillGraphs
 
 pytest.importorskip("transformers")
 
@@ -57,6 +58,21 @@ def test_capture_sizes():
         capture_sizes(0)
     assert [pick_size(n, sizes) for n in (1, 3, 8, 9, 65, 256)] == [1, 4, 8, 16, 80, 256]
     assert pick_size(257, sizes) is None
+
+
+def test_prefill_graph_for_a_batch_has_room_for_its_sequences():
+    """Graphs from 512 tokens hold every sequence of a mixed step (up to ``max_seqs``);
+    smaller ones hold four, so few tokens in many sequences go up to the 512-token graph."""
+    graphs = PrefillGraphs([32, 64, 512, 640], 12, 4, 64, 16, torch.float32, torch.device("cpu"))
+    graphs._replays = dict.fromkeys(graphs.token_sizes, lambda: None)
+    assert [graphs.context(size).num_seqs for size in (32, 64, 512, 640)] == [4, 4, 12, 12]
+    assert graphs.context(64).query_start_loc.shape == (5,)
+    assert graphs.size_for(3, 20) == 32
+    assert graphs.size_for(4, 64) == 64
+    assert graphs.size_for(5, 20) == 512  # thirteen decodes and a short chunk, say
+    assert graphs.size_for(12, 600) == 640
+    assert graphs.size_for(13, 20) is None
+    assert graphs.size_for(1, 641) is None
 
 
 def test_layout_pads_to_the_graph_size():

@@ -30,6 +30,8 @@ from kernels.prefill_attention import (
     MAX_SPLITS,
     choose_prefill_splits,
     paged_prefill_attention_triton,
+    prefill_queries_per_tile,
+    prefill_work_table,
 )
 
 pytestmark = requires_triton
@@ -229,6 +231,76 @@ def test_prefill_split_planned_for_one_sequence_of_a_padded_batch():
             block_m=16, block_n=16, split_seqs=1,
         )  # fmt: skip
     check(out, expected, "prefill split for one of four sequence slots")
+
+
+def _work_table_reference(query_lens: list[int], num_tokens: int, per_tile: int) -> list[int]:
+    entries = []
+    for seq, query_len in enumerate(query_lens):
+        tiles = -(-query_len // per_tile)
+        entries += [seq << 16 | tile for tile in reversed(range(tiles))]
+    size = -(-num_tokens // per_tile) + len(query_lens)
+    return entries + [-1] * (size - len(entries))
+
+
+@pytest.mark.parametrize(
+    "query_lens,num_tokens,per_tile",
+    [
+        ([100], 100, 16),  # one prompt: its tiles last-first, one entry to spare
+        ([1] * 30 + [1000], 1030, 16),  # a prompt beside thirty decodes
+        ([17, 0, 1, 32, 0], 50, 16),  # empty sequences take no tile
+        ([5, 3, 0, 0], 1280, 16),  # a graph's batch: tokens and sequences of room to spare
+        ([33], 33, 1),
+        ([], 8, 16),
+    ],
+)
+def test_prefill_work_table(query_lens, num_tokens, per_tile):
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    table = prefill_work_table(query_start_loc, num_tokens, per_tile)
+    assert table.dtype == torch.int32 and table.device == query_start_loc.device
+    assert table.tolist() == _work_table_reference(query_lens, num_tokens, per_tile)
+
+
+def test_prefill_work_table_limits_and_shape_check():
+    one = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="work table"):
+        prefill_work_table(one, 1 << 20, 16)
+    assert prefill_queries_per_tile(torch.bfloat16, 128, 4) == 16  # 64-row tiles, 4 heads
+    q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(
+        [(9, 4)], 8, 2, 16, 4, torch.float32, SEED
+    )
+    wrong = prefill_work_table(qsl, 4, 1)  # built for another tile
+    with pytest.raises(ValueError, match="work table of shape"):
+        paged_prefill_attention_triton(
+            q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 4, 9, work_table=wrong
+        )
+
+
+def test_prefill_graph_batch_of_a_prompt_and_decodes():
+    """As a mixed-step graph runs it: a prompt chunk and six decodes in room for ten
+    sequences and 48 tokens, the work table built once and passed in, keys split as for one
+    sequence. Padding rows stay unwritten."""
+    cases = [(3, 1), (40, 1), (70, 19), (5, 1), (1, 1), (64, 1), (33, 1)]
+    q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(
+        cases, 8, 2, 16, 4, torch.float32, SEED + 7
+    )
+    expected = paged_attention_ref(q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 19, 70)
+    room, tokens = 10, 48
+    pad_q = torch.cat([q, q.new_full((tokens - q.shape[0], *q.shape[1:]), float("nan"))])
+    pad_tables = torch.cat([tables, tables.new_zeros((room - len(cases), tables.shape[1]))])
+    pad_lens = torch.cat([ctx_lens, ctx_lens.new_zeros(room - len(cases))])
+    pad_qsl = torch.cat([qsl, qsl[-1:].repeat(room - len(cases))])
+    work = prefill_work_table(pad_qsl, tokens, 16 // 4)
+    assert (work >= 0).sum().item() == 6 + 5  # a tile per decode, five for the prompt
+    with poisoned():
+        out = paged_prefill_attention_triton(
+            pad_q, k_cache, v_cache, pad_tables, pad_lens, pad_qsl, 0.25, tokens, 4096,
+            block_m=16, block_n=16, split_seqs=1, work_table=work,
+        )  # fmt: skip
+    check(out[: q.shape[0]], expected, "prompt and decodes in a padded batch")
+    assert out[q.shape[0] :].isnan().all(), "padding tokens must not be written"
 
 
 def counters_at_rest() -> bool:

@@ -27,6 +27,11 @@ class ForwardContext:
     0 means ``num_seqs``. A captured prefill graph has room for several sequences but
     mostly replays one (a prompt's tail after a prefix-cache hit), which alone must fill
     the GPU.
+
+    ``prefill_work``: prefill attention's work table for this batch
+    (``kernels.prefill_work_table``), built on the device by the first attention layer of a
+    forward and read by the others; ``set_forward_context`` clears it, so that a captured
+    graph records its construction instead of reusing a warm-up run's.
     """
 
     slot_mapping: torch.Tensor
@@ -39,6 +44,7 @@ class ForwardContext:
     num_seqs: int
     num_tokens: int
     split_seqs: int = 0
+    prefill_work: torch.Tensor | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -51,6 +57,7 @@ _current: ForwardContext | None = None
 @contextlib.contextmanager
 def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
     global _current
+    ctx.prefill_work = None
     previous, _current = _current, ctx
     try:
         yield ctx

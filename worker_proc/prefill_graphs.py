@@ -1,17 +1,24 @@
-"""CUDA graphs for short prefills: a prompt's tail after a prefix-cache hit, a short prompt.
+"""CUDA graphs for prefill and mixed steps of up to 1,280 tokens: a short prompt, a prompt's
+tail after a prefix-cache hit, a prompt beside the running batch's decodes.
 
 Run eagerly, a prefill costs a launch per kernel through every layer from Python: on an
 H200's host about 15 ms of launches at 16 tokens and 19 ms at 128 to 1,024 (Qwen3-4B), against
 2 ms of GPU work at a few tokens and about 12 ms at 1,024. Until the GPU work outgrows the
 launches (about 1.3k tokens there) a graph is faster even with the padding. So batches of at
-most ``max(token_sizes)`` tokens in at most ``max_seqs`` sequences
-are padded up to the next captured token count and replayed, exactly as decode batches are
-(worker_proc/cuda_graphs.py), only with the prefill attention path: the graph is captured
-with ``max_query_len`` equal to its token count, so the attention grid covers any batch it
-is given; the kernel reads each sequence's real query and context lengths from the device.
-Its split over keys is planned for one sequence with a context as long as the model's, so a
-lone tail over a long cached prefix spreads over the whole GPU (a split past a sequence's
-context exits at once).
+most ``max(token_sizes)`` tokens are padded up to the next captured token count and replayed,
+exactly as decode batches are (worker_proc/cuda_graphs.py), only with the prefill attention
+path: each graph is captured with ``max_query_len`` equal to its token count and room for
+``seq_capacity(tokens)`` sequences, and its attention takes its work from a table built on
+the device from the batch's real query lengths (kernels/prefill_attention.py), so one graph
+serves any batch of at most that many tokens and sequences. Its split over keys is planned
+for one sequence with a context as long as the model's, so a lone tail over a long cached
+prefix spreads over the whole GPU (a split past a sequence's context exits at once).
+
+Sequence room: graphs from ``MIXED_FROM_TOKENS`` tokens hold ``max_seqs`` sequences (64),
+enough for a prompt beside a serving batch's decodes; smaller ones hold
+``SMALL_GRAPH_SEQS``, since every sequence of room adds work items (programs that exit at
+once, times the many key splits a small graph plans) to every layer's attention. A batch of
+few tokens in many sequences takes the smallest graph with room for it.
 
 Padding: tokens past the batch read id 0 at position 0, write no KV (slot -1) and belong to
 no sequence (``query_start_loc`` stays at the real token count), so attention skips them;
@@ -34,7 +41,9 @@ logger = logging.getLogger(__name__)
 
 # Steps of 128 past 512, so that padding costs at most a quarter of a prompt's GEMM work.
 TOKEN_SIZES = (32, 64, 128, 256, 512, 640, 768, 896, 1024, 1152, 1280)
-MAX_SEQS = 4
+MAX_SEQS = 64
+SMALL_GRAPH_SEQS = 4
+MIXED_FROM_TOKENS = 512
 
 
 def prefill_token_sizes(max_num_batched_tokens: int) -> list[int]:
@@ -56,6 +65,10 @@ class PrefillGraphs:
     ) -> None:
         self.token_sizes = sorted(token_sizes)
         self.max_seqs = max_seqs
+        self.seq_room = {
+            size: max_seqs if size >= MIXED_FROM_TOKENS else min(SMALL_GRAPH_SEQS, max_seqs)
+            for size in self.token_sizes
+        }
         self.max_model_len = max_model_len
         tokens = self.token_sizes[-1]
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
@@ -72,15 +85,16 @@ class PrefillGraphs:
         self._replays: dict[int, Replay] = {}
 
     def context(self, tokens: int) -> ForwardContext:
+        seqs = self.seq_room[tokens]
         return ForwardContext(
             slot_mapping=self.slot_mapping[:tokens],
-            block_tables=self.block_tables,
-            context_lens=self.context_lens,
-            query_lens=self.query_lens,
-            query_start_loc=self.query_start_loc,
+            block_tables=self.block_tables[:seqs],
+            context_lens=self.context_lens[:seqs],
+            query_lens=self.query_lens[:seqs],
+            query_start_loc=self.query_start_loc[: seqs + 1],
             max_query_len=tokens,
             max_context_len=self.max_model_len,
-            num_seqs=self.max_seqs,
+            num_seqs=seqs,
             num_tokens=tokens,
             split_seqs=1,
         )
@@ -102,17 +116,22 @@ class PrefillGraphs:
             def run(context=context, input_ids=input_ids, positions=positions) -> torch.Tensor:
                 with set_forward_context(context):
                     hidden = forward(input_ids, positions)
-                self.logits.copy_(compute_logits(hidden.index_select(0, self.sample_index)))
+                seqs = context.num_seqs
+                rows = hidden.index_select(0, self.sample_index[:seqs])
+                self.logits[:seqs].copy_(compute_logits(rows))
                 return self.logits
 
             self._replays[tokens] = backend.capture(run)
         elapsed = time.monotonic() - started
         logger.info(
-            "captured %d prefill graphs in %.2f s, up to %d tokens in %d sequences",
+            "captured %d prefill graphs in %.2f s, up to %d tokens in %d sequences "
+            "(%d below %d tokens)",
             len(self.token_sizes),
             elapsed,
             self.token_sizes[-1],
             self.max_seqs,
+            min(SMALL_GRAPH_SEQS, self.max_seqs),
+            MIXED_FROM_TOKENS,
         )
         return elapsed
 
@@ -120,7 +139,10 @@ class PrefillGraphs:
         """The graph that runs this prefill batch, or None when it must run eagerly."""
         if not self._replays or num_seqs > self.max_seqs:
             return None
-        return pick_size(num_tokens, self.token_sizes)
+        size = pick_size(num_tokens, self.token_sizes)
+        while size is not None and self.seq_room[size] < num_seqs:
+            size = pick_size(size + 1, self.token_sizes)
+        return size
 
     def _reset_padding(self, num_tokens: int, num_seqs: int) -> None:
         self.input_ids[num_tokens:].zero_()
@@ -158,6 +180,6 @@ class PrefillGraphs:
         self.sample_index[: sample_index.shape[0]].copy_(sample_index)
 
     def replay(self, tokens: int) -> torch.Tensor:
-        """Logits ``[max_seqs, vocab]``, row i for ``sample_index[i]``; valid until the next
-        replay."""
+        """Logits ``[max_seqs, vocab]``, row i for ``sample_index[i]`` (the graph's sequence
+        room of them); valid until the next replay."""
         return self._replays[tokens]()

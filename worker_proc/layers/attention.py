@@ -69,6 +69,14 @@ class Attention(nn.Module):
                 ctx.slot_mapping,
                 qk_norm,
             )
+        decode_only = ctx.max_query_len == 1 and num_tokens == ctx.num_seqs
+        if not decode_only and ctx.prefill_work is None and kernels.use_triton(q):
+            queries_per_tile = kernels.prefill_queries_per_tile(
+                self.k_cache.dtype, self.head_dim, self.num_heads // self.num_kv_heads
+            )
+            ctx.prefill_work = kernels.prefill_work_table(
+                ctx.query_start_loc, num_tokens, queries_per_tile
+            )
         out = kernels.paged_attention(
             q,
             self.k_cache,
@@ -80,6 +88,7 @@ class Attention(nn.Module):
             ctx.max_query_len,
             ctx.max_context_len,
             ctx.split_seqs,
+            None if decode_only else ctx.prefill_work,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
