@@ -14,7 +14,7 @@ softmax are float32 (exp2, scale folded in); both products run in the input dtyp
 tensor cores with float32 accumulation.
 
 Which tile of which sequence a program takes comes from a work table
-(``prefill_work_table``): one entry per query tile of the batch, built on the device from
+(kernels/prefill_work.py): one entry per query tile of the batch, built on the device from
 ``query_start_loc`` once per step and shared by every layer, then ``-1`` up to
 ``cdiv(num_tokens, queries_per_tile) + num_seqs`` entries, the most any batch of that many
 tokens and sequences can have. A grid of every sequence times the longest sequence's tiles
@@ -43,6 +43,7 @@ from kernels.backend import (
     num_sms,
     triton_jit,
 )
+from kernels.prefill_work import prefill_work_table_triton
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -89,12 +90,14 @@ def _prefill_kernel(
     work = tl.load(work_ptr + tl.program_id(0) // num_splits)
     split = tl.program_id(0) % num_splits
     kv_head = tl.program_id(1)
-    # An entry is seq << 16 | tile; -1 (no work) gives seq 0 and tile 0xFFFF, past any query.
+    # An entry is seq << 16 | tile. A -1 (no work: the table's slack, most of a captured
+    # graph's grid) loads nothing more and finds no query.
+    live = work >= 0
     seq = tl.maximum(work >> 16, 0).to(tl.int64)
     tile = work & 0xFFFF
-    query_start = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
-    context_len = tl.load(context_lens_ptr + seq)
+    query_start = tl.load(query_start_loc_ptr + seq, mask=live, other=0)
+    query_len = tl.load(query_start_loc_ptr + seq + 1, mask=live, other=0) - query_start
+    context_len = tl.load(context_lens_ptr + seq, mask=live, other=0)
     queries_per_tile = BLOCK_M // GROUP_PAD
     first_query = tile * queries_per_tile
     if first_query < query_len:
@@ -234,42 +237,6 @@ def prefill_tile_config(dtype: torch.dtype, head_dim: int, group: int) -> tuple[
     return max(block_m, group_pad, 16), block_n, warps
 
 
-def prefill_queries_per_tile(dtype: torch.dtype, head_dim: int, group: int) -> int:
-    """Queries in one program's tile with the default tiles: what a work table is built
-    for (``prefill_work_table``)."""
-    block_m = prefill_tile_config(dtype, head_dim, group)[0]
-    return block_m // next_power_of_2(group)
-
-
-def prefill_work_table(
-    query_start_loc: torch.Tensor, num_tokens: int, queries_per_tile: int
-) -> torch.Tensor:
-    """The prefill kernel's work items for a varlen batch: ``int32 [cdiv(num_tokens,
-    queries_per_tile) + num_seqs]``, entry ``seq << 16 | tile`` for every query tile of every
-    sequence (each sequence's tiles last-first: the late tiles of a long prompt see the most
-    keys, and starting them early evens out the tail of the launch), then ``-1``.
-
-    Torch ops on ``query_start_loc``'s device with no host sync, so a CUDA graph captures
-    them and a replay rebuilds the table from whatever batch it is given; ``num_tokens``
-    (at least the batch's real queries) and the sequence count are all that sizes it."""
-    num_seqs = query_start_loc.shape[0] - 1
-    num_items = cdiv(num_tokens, queries_per_tile) + num_seqs
-    if num_seqs >= 1 << 15 or cdiv(num_tokens, queries_per_tile) >= 1 << 16:
-        raise ValueError(f"{num_tokens} tokens in {num_seqs} sequences exceed the work table")
-    device = query_start_loc.device
-    if num_seqs == 0:
-        return torch.full((num_items,), -1, dtype=torch.int32, device=device)
-    starts = query_start_loc.to(torch.int32)
-    tiles = (starts[1:] - starts[:-1] + queries_per_tile - 1) // queries_per_tile
-    ends = torch.cumsum(tiles, 0, dtype=torch.int32)
-    items = torch.arange(num_items, dtype=torch.int32, device=device)
-    seq = torch.searchsorted(ends, items, right=True).clamp_(max=num_seqs - 1)
-    # Item w of sequence s (its tiles at ends[s] - tiles[s] .. ends[s] - 1) takes tile
-    # ends[s] - 1 - w: the last first.
-    entry = (seq.to(torch.int32) << 16) | (ends[seq] - 1 - items)
-    return torch.where(items < ends[-1], entry, -1)
-
-
 # A split covers at least this many keys; at most this many splits.
 MIN_SPLIT_KEYS = 512
 MAX_SPLITS = 16
@@ -304,8 +271,8 @@ def paged_prefill_attention_triton(
 ) -> torch.Tensor:
     """Causal attention of ``q [T, num_heads, head_dim]`` over the paged cache.
 
-    ``work_table``: this batch's ``prefill_work_table`` for the default tiles, which a caller
-    running many layers over one batch builds once; without it, it is built here.
+    ``work_table``: this batch's ``kernels.prefill_work_table`` for the default tiles,
+    which a caller running many layers over one batch builds once; else it is built here.
 
     ``max_query_len`` sizes the grid; when 0 it is read from ``query_start_loc`` (one host
     sync, fine for eager prefill). ``max_context_len`` (0: unknown, no split) decides the
@@ -337,7 +304,7 @@ def paged_prefill_attention_triton(
     block_n = block_n or default_n
     queries_per_tile = block_m // group_pad
     if work_table is None:
-        work_table = prefill_work_table(query_start_loc, num_tokens, queries_per_tile)
+        work_table = prefill_work_table_triton(query_start_loc, num_tokens, queries_per_tile)
     elif work_table.shape != (cdiv(num_tokens, queries_per_tile) + num_seqs,):
         raise ValueError(
             f"work table of shape {tuple(work_table.shape)} is not for {num_tokens} tokens "

@@ -30,8 +30,11 @@ from kernels.prefill_attention import (
     MAX_SPLITS,
     choose_prefill_splits,
     paged_prefill_attention_triton,
+)
+from kernels.prefill_work import (
     prefill_queries_per_tile,
-    prefill_work_table,
+    prefill_work_table_ref,
+    prefill_work_table_triton,
 )
 
 pytestmark = requires_triton
@@ -258,20 +261,37 @@ def test_prefill_work_table(query_lens, num_tokens, per_tile):
     for query_len in query_lens:
         starts.append(starts[-1] + query_len)
     query_start_loc = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
-    table = prefill_work_table(query_start_loc, num_tokens, per_tile)
-    assert table.dtype == torch.int32 and table.device == query_start_loc.device
-    assert table.tolist() == _work_table_reference(query_lens, num_tokens, per_tile)
+    expected = _work_table_reference(query_lens, num_tokens, per_tile)
+    for build in (prefill_work_table_ref, prefill_work_table_triton):
+        table = build(query_start_loc, num_tokens, per_tile)
+        assert table.dtype == torch.int32 and table.device == query_start_loc.device
+        assert table.tolist() == expected, build.__name__
+
+
+def test_prefill_work_table_of_many_sequences_matches_reference():
+    """Past one program's entries and one step's sequences: random lengths, zeros among
+    them, room to spare as in a captured graph."""
+    rng = random.Random(SEED)
+    query_lens = [rng.choice([0, 1, 1, 1, 2, 17, 64, 300]) for _ in range(150)]
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    starts += [starts[-1]] * 20
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    num_tokens = starts[-1] + 37
+    got = prefill_work_table_triton(query_start_loc, num_tokens, 16)
+    assert torch.equal(got, prefill_work_table_ref(query_start_loc, num_tokens, 16)), SEED
 
 
 def test_prefill_work_table_limits_and_shape_check():
     one = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="work table"):
-        prefill_work_table(one, 1 << 20, 16)
+        prefill_work_table_triton(one, 1 << 20, 16)
     assert prefill_queries_per_tile(torch.bfloat16, 128, 4) == 16  # 64-row tiles, 4 heads
     q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(
         [(9, 4)], 8, 2, 16, 4, torch.float32, SEED
     )
-    wrong = prefill_work_table(qsl, 4, 1)  # built for another tile
+    wrong = prefill_work_table_ref(qsl, 4, 1)  # built for another tile
     with pytest.raises(ValueError, match="work table of shape"):
         paged_prefill_attention_triton(
             q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 4, 9, work_table=wrong
@@ -292,7 +312,7 @@ def test_prefill_graph_batch_of_a_prompt_and_decodes():
     pad_tables = torch.cat([tables, tables.new_zeros((room - len(cases), tables.shape[1]))])
     pad_lens = torch.cat([ctx_lens, ctx_lens.new_zeros(room - len(cases))])
     pad_qsl = torch.cat([qsl, qsl[-1:].repeat(room - len(cases))])
-    work = prefill_work_table(pad_qsl, tokens, 16 // 4)
+    work = prefill_work_table_triton(pad_qsl, tokens, 16 // 4)
     assert (work >= 0).sum().item() == 6 + 5  # a tile per decode, five for the prompt
     with poisoned():
         out = paged_prefill_attention_triton(
