@@ -1,7 +1,8 @@
 """Triton paged attention against the reference: the split-K decode kernel and the
 flash-style prefill kernel over shuffled physical blocks, GQA group sizes 1/4/8, block
 sizes 4/16/32, contexts of 1 and not multiples of the block size, prefix-cached chunks,
-padding rows of a captured batch; on CUDA also Qwen3-4B shapes and CUDA-graph replay.
+padding rows of a captured batch, a mixed graph batch with its work table (the table itself:
+test_prefill_work.py); on CUDA also Qwen3-4B shapes and CUDA-graph replay.
 Setup and poisoning: triton_test_util.py.
 """
 
@@ -31,11 +32,7 @@ from kernels.prefill_attention import (
     choose_prefill_splits,
     paged_prefill_attention_triton,
 )
-from kernels.prefill_work import (
-    prefill_queries_per_tile,
-    prefill_work_table_ref,
-    prefill_work_table_triton,
-)
+from kernels.prefill_work import prefill_work_table_triton
 
 pytestmark = requires_triton
 
@@ -234,68 +231,6 @@ def test_prefill_split_planned_for_one_sequence_of_a_padded_batch():
             block_m=16, block_n=16, split_seqs=1,
         )  # fmt: skip
     check(out, expected, "prefill split for one of four sequence slots")
-
-
-def _work_table_reference(query_lens: list[int], num_tokens: int, per_tile: int) -> list[int]:
-    entries = []
-    for seq, query_len in enumerate(query_lens):
-        tiles = -(-query_len // per_tile)
-        entries += [seq << 16 | tile for tile in reversed(range(tiles))]
-    size = -(-num_tokens // per_tile) + len(query_lens)
-    return entries + [-1] * (size - len(entries))
-
-
-@pytest.mark.parametrize(
-    "query_lens,num_tokens,per_tile",
-    [
-        ([100], 100, 16),  # one prompt: its tiles last-first, one entry to spare
-        ([1] * 30 + [1000], 1030, 16),  # a prompt beside thirty decodes
-        ([17, 0, 1, 32, 0], 50, 16),  # empty sequences take no tile
-        ([5, 3, 0, 0], 1280, 16),  # a graph's batch: tokens and sequences of room to spare
-        ([33], 33, 1),
-        ([], 8, 16),
-    ],
-)
-def test_prefill_work_table(query_lens, num_tokens, per_tile):
-    starts = [0]
-    for query_len in query_lens:
-        starts.append(starts[-1] + query_len)
-    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
-    expected = _work_table_reference(query_lens, num_tokens, per_tile)
-    for build in (prefill_work_table_ref, prefill_work_table_triton):
-        table = build(query_start_loc, num_tokens, per_tile)
-        assert table.dtype == torch.int32 and table.device == query_start_loc.device
-        assert table.tolist() == expected, build.__name__
-
-
-def test_prefill_work_table_of_many_sequences_matches_reference():
-    """Past one program's entries and one step's sequences: random lengths, zeros among
-    them, room to spare as in a captured graph."""
-    rng = random.Random(SEED)
-    query_lens = [rng.choice([0, 1, 1, 1, 2, 17, 64, 300]) for _ in range(150)]
-    starts = [0]
-    for query_len in query_lens:
-        starts.append(starts[-1] + query_len)
-    starts += [starts[-1]] * 20
-    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
-    num_tokens = starts[-1] + 37
-    got = prefill_work_table_triton(query_start_loc, num_tokens, 16)
-    assert torch.equal(got, prefill_work_table_ref(query_start_loc, num_tokens, 16)), SEED
-
-
-def test_prefill_work_table_limits_and_shape_check():
-    one = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="work table"):
-        prefill_work_table_triton(one, 1 << 20, 16)
-    assert prefill_queries_per_tile(torch.bfloat16, 128, 4) == 16  # 64-row tiles, 4 heads
-    q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(
-        [(9, 4)], 8, 2, 16, 4, torch.float32, SEED
-    )
-    wrong = prefill_work_table_ref(qsl, 4, 1)  # built for another tile
-    with pytest.raises(ValueError, match="work table of shape"):
-        paged_prefill_attention_triton(
-            q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 4, 9, work_table=wrong
-        )
 
 
 def test_prefill_graph_batch_of_a_prompt_and_decodes():
