@@ -2,8 +2,8 @@
 
 A pure-decode batch (one new token per sequence) is padded up to the next captured size and
 replayed from static input buffers: launching the whole forward costs one graph launch
-instead of hundreds of kernel launches. Short prefills have graphs of their own
-(worker_proc/prefill_graphs.py); longer prefills and mixed batches run eagerly.
+instead of hundreds of kernel launches. Prefills and mixed batches of up to 1,280 tokens
+have graphs of their own (worker_proc/prefill_graphs.py); larger ones run eagerly.
 
 Sizes: 1, 2, 4, 8, then every 8 up to 64, every 16 up to 256 and every 32 beyond, up to
 ``max_num_seqs`` (always captured itself), captured largest first into one shared memory

@@ -1,8 +1,8 @@
 """One worker rank's model, KV cache and sequence state, driven by step plans.
 
 ``submit(plan)`` applies a plan's diffs (finished sequences, new sequences, new blocks),
-launches the step (a captured CUDA graph for a pure-decode batch or a short prefill, eager
-otherwise), samples a token for every sequence that reached the end of its known tokens,
+launches the step (a captured CUDA graph for a pure-decode batch, or for a prefill or mixed
+batch of up to 1,280 tokens; eager otherwise), samples a token for every sequence that reached the end of its known tokens,
 and queues the tokens' asynchronous copy to the host; it returns without waiting for the device. The worker feeds
 its own sampled tokens back as the next decode inputs, from a per-sequence device slot, so
 the next plan can be launched before this one's tokens are on the host (overlapped
