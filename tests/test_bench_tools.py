@@ -205,10 +205,13 @@ def test_bench_latency(micro_dir, tmp_path):
         "--contexts", "8,40",
         "--steps", "6",
         "--warmup-steps", "2",
+        "--profile",
         "--out", str(tmp_path),
         env={"PEGAINFER_PROGRESS": "1"},
     )  # fmt: skip
     payload = outputs(tmp_path, "latency")
+    assert "profile of 8 decode steps at context 8" in payload["profile"]
+    assert (tmp_path / "latency_profile.txt").read_text().strip() == payload["profile"].strip()
     assert_roofline_table(stdout, payload)
     rows = {r["context"]: r for r in payload["results"]}
     assert set(rows) == {8, 40}
@@ -262,6 +265,8 @@ def test_bench_throughput_inprocess(micro_dir, tmp_path):
         "--batches", "1,3",
         "--input-len", "8",
         "--output-len", "5",
+        "--profile-batches", "3",
+        "--profile-steps", "3",
         "--out", str(tmp_path),
     )  # fmt: skip
     payload = outputs(tmp_path, "throughput")
@@ -271,6 +276,12 @@ def test_bench_throughput_inprocess(micro_dir, tmp_path):
         assert row["output_tokens"] == row["batch"] * 5
         # The first token comes from the prefill; the other 4 from full-batch decode steps.
         assert row["full_batch_decode_steps"] == 4
+    # Profiled after the timed batches, which it leaves alone. On the CPU there are no
+    # kernels, so the host ops are shown.
+    profiled = {r["batch"]: r.get("profile_table") for r in payload["results"]}
+    assert profiled[1] is None
+    assert "batch 3" in profiled[3] and "3 steps" in profiled[3] and "host ops" in profiled[3]
+    assert profiled[3] in stdout and profiled[3] in payload["table"]
 
 
 def test_bench_serving_stops_at_its_time_limit(micro_server, tmp_path, capsys):

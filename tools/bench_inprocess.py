@@ -14,6 +14,8 @@ from tools.bench_client import clamp_vocab_range, random_token_prompts
 from tools.bench_common import progress
 from tools.bench_model import ModelShape
 
+PROFILE_WARM_STEPS = 4
+
 
 def batched_tokens(args: argparse.Namespace) -> int:
     # Large enough that a wave of prompts is prefilled in a few steps, so the batch is full
@@ -30,7 +32,9 @@ def make_inprocess_runner(
     from worker_proc.model_runner import ModelRunner
 
     block_size = 16
-    max_model_len = args.input_len + args.output_len + 8
+    # A profiled batch decodes a few warm-up steps, the profiled ones, and the two in flight.
+    profiled = PROFILE_WARM_STEPS + getattr(args, "profile_steps", 0) + 4
+    max_model_len = args.input_len + max(args.output_len, profiled) + 8
     blocks = max_batch * (-(-max_model_len // block_size) + 1)
     config = EngineConfig(
         model_path=args.model_path,
@@ -53,6 +57,79 @@ def make_inprocess_runner(
     return runner, config
 
 
+class StepDriver:
+    """Feeds a fresh ``Scheduler``'s plans for ``requests`` to ``runner``, up to ``in_flight``
+    steps ahead (as the scheduler and worker processes do), and its results back."""
+
+    def __init__(self, runner: Any, config: Any, requests: list[Any], in_flight: int) -> None:
+        from scheduler_proc.scheduler import Scheduler
+
+        self.runner = runner
+        self.scheduler = Scheduler(config)
+        self.in_flight = in_flight
+        self.batch = len(requests)
+        # step id, whether it decodes the full batch, when it was submitted
+        self.pending: deque[tuple[int, bool, float]] = deque()
+        for request in requests:
+            rejected = self.scheduler.add_request(request)
+            if rejected is not None:
+                raise RuntimeError(f"request rejected: {rejected.message}")
+
+    def busy(self) -> bool:
+        return self.scheduler.has_work() or bool(self.pending)
+
+    def fill(self, limit: int | None = None) -> list[tuple[bool, list[int]]]:
+        """Submit plans until ``in_flight`` are pending (at most ``limit`` of them); for each,
+        whether it decodes the full batch, and its sequences' computed tokens."""
+        from pegainfer.protocol import unpack_ids
+
+        submitted: list[tuple[bool, list[int]]] = []
+        while len(self.pending) < self.in_flight and self.scheduler.has_work():
+            if limit is not None and len(submitted) >= limit:
+                break
+            plan = self.scheduler.schedule()
+            if plan is None:
+                break
+            scheduled = unpack_ids(plan.num_scheduled)
+            full = len(scheduled) == self.batch and all(n == 1 for n in scheduled)
+            self.pending.append((plan.step_id, full, time.perf_counter()))
+            self.runner.submit(plan)
+            submitted.append((full, unpack_ids(plan.num_computed)))
+        if not self.pending and self.scheduler.has_work():
+            raise RuntimeError("the scheduler has work but planned no step")
+        return submitted
+
+    def collect(self, wait: bool = False) -> list[tuple[Any, bool, float, list[Any]]]:
+        """Finished steps: (result, full batch, seconds from submission, request outputs)."""
+        finished = []
+        for result in self.runner.poll_results(wait=wait or self.in_flight == 1):
+            done = time.perf_counter()
+            step_id, full, submitted = self.pending.popleft()
+            if result.step_id != step_id or result.error:
+                raise RuntimeError(f"step {step_id}: got {result.step_id}, {result.error}")
+            outputs = self.scheduler.on_step_result(result)
+            finished.append((result, full, done - submitted, outputs))
+        return finished
+
+    def release(self) -> None:
+        """The runner must drop the finished sequences: the next batch reuses their ids."""
+        from pegainfer.protocol import StepPlan, pack_ids
+
+        finished = pack_ids(self.scheduler.pending_finished_seq_ids)
+        self.runner.execute(StepPlan(-1, [], b"", b"", b"", [], finished))
+
+
+def make_requests(prompts: list[list[int]], max_tokens: int, tag: str) -> list[Any]:
+    from pegainfer.protocol import SamplingParams, TokenizedRequest, pack_ids
+
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    now = time.time()
+    return [
+        TokenizedRequest(f"{tag}{len(prompts)}-{j}", pack_ids(prompt), sampling, now)
+        for j, prompt in enumerate(prompts)
+    ]
+
+
 def run_inprocess_batch(
     runner: Any,
     config: Any,
@@ -62,31 +139,15 @@ def run_inprocess_batch(
     in_flight: int = 2,
 ) -> dict[str, Any]:
     """Serve ``prompts`` to completion with a fresh Scheduler driving ``runner``, with up to
-    ``in_flight`` steps submitted ahead (as the scheduler and worker processes do).
+    ``in_flight`` steps submitted ahead.
 
     ``step_ms``: the median gap between two results arriving, over consecutive steps that
     both decoded the full batch. ``runner_step_ms``: the median time from submitting such a
     step to its result (with one in flight: the runner's own cost of the step)."""
-    from pegainfer.protocol import (
-        SamplingParams,
-        StepPlan,
-        TokenizedRequest,
-        pack_ids,
-        unpack_ids,
-    )
-    from scheduler_proc.scheduler import Scheduler
     from tools.bench_common import synchronize
 
     batch = len(prompts)
-    scheduler = Scheduler(config)
-    sampling = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    now = time.time()
-    for j, prompt in enumerate(prompts):
-        request = TokenizedRequest(f"{tag}{batch}-{j}", pack_ids(prompt), sampling, now)
-        rejected = scheduler.add_request(request)
-        if rejected is not None:
-            raise RuntimeError(f"request rejected: {rejected.message}")
-    pending: deque[tuple[int, bool, float]] = deque()  # step id, full decode, submitted at
+    driver = StepDriver(runner, config, make_requests(prompts, output_len, tag), in_flight)
     intervals: list[float] = []
     runner_times: list[float] = []
     first_token_s: list[float] = []
@@ -95,28 +156,16 @@ def run_inprocess_batch(
     bar = progress(batch * output_len, f"{tag}batch {batch}", "tok")
     synchronize(runner.device)
     began = time.perf_counter()
-    while scheduler.has_work() or pending:
-        while len(pending) < in_flight and scheduler.has_work():
-            plan = scheduler.schedule()
-            if plan is None:
-                break
-            scheduled = unpack_ids(plan.num_scheduled)
-            full = len(scheduled) == batch and all(n == 1 for n in scheduled)
-            pending.append((plan.step_id, full, time.perf_counter()))
-            runner.submit(plan)
-        if not pending:
-            raise RuntimeError("the scheduler has work but planned no step")
-        for result in runner.poll_results(wait=in_flight == 1):
+    while driver.busy():
+        driver.fill()
+        for result, full, took, outputs in driver.collect():
             done = time.perf_counter()
-            step_id, full, submitted = pending.popleft()
-            if result.step_id != step_id or result.error:
-                raise RuntimeError(f"step {step_id}: got {result.step_id}, {result.error}")
             if full:
-                runner_times.append(done - submitted)
+                runner_times.append(took)
                 if last_full:
                     intervals.append(done - last_done)
             last_done, last_full = done, full
-            for output in scheduler.on_step_result(result):
+            for output in outputs:
                 if output.completion_tokens == 1 and output.new_token_ids:
                     first_token_s.append(done - began)
             sampled = len(result.token_ids) // 4
@@ -124,9 +173,7 @@ def run_inprocess_batch(
             bar.update(sampled)
     wall = time.perf_counter() - began
     bar.close()
-    # The runner must drop the finished sequences: the next batch reuses their ids.
-    finished = pack_ids(scheduler.pending_finished_seq_ids)
-    runner.execute(StepPlan(-1, [], b"", b"", b"", [], finished))
+    driver.release()
     ordered = sorted(intervals)
 
     def median_ms(values: list[float]) -> float | None:
@@ -146,9 +193,61 @@ def run_inprocess_batch(
     }
 
 
+def profile_full_decode(
+    runner: Any,
+    config: Any,
+    prompts: list[list[int]],
+    steps: int,
+    in_flight: int = 2,
+    warm_steps: int = PROFILE_WARM_STEPS,
+) -> tuple[Any, list[int]]:
+    """Prefill ``prompts``, decode ``warm_steps`` full-batch steps, then profile exactly
+    ``steps`` more with the torch profiler, nothing else on the device in the window; the
+    requests then run out. Returns the finished profiler and the contexts the window's first
+    step attends to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tools.bench_common import synchronize
+
+    output_len = warm_steps + steps + in_flight + 2
+    driver = StepDriver(runner, config, make_requests(prompts, output_len, "profile "), in_flight)
+    full_done = 0
+    while full_done < warm_steps:
+        if not driver.busy():
+            raise RuntimeError("the batch finished before it decoded as a whole")
+        driver.fill()
+        full_done += sum(full for _, full, _, _ in driver.collect())
+    driver.collect(wait=True)
+    synchronize(runner.device)
+    contexts: list[int] = []
+    activities = [ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        submitted = 0
+        while submitted < steps or driver.pending:
+            for full, computed in driver.fill(limit=steps - submitted):
+                if not full:
+                    raise RuntimeError("a profiled step was not a decode of the full batch")
+                contexts = contexts or [c + 1 for c in computed]
+                submitted += 1
+            driver.collect()
+        synchronize(runner.device)
+    while driver.busy():
+        driver.fill()
+        driver.collect()
+    driver.release()
+    return prof, contexts
+
+
 def sweep_inprocess(
-    args: argparse.Namespace, batches: list[int], shape: ModelShape
+    args: argparse.Namespace, batches: list[int], shape: ModelShape, roof: Any = None
 ) -> list[dict[str, Any]]:
+    """One row per batch; then, for each batch of ``args.profile_batches``, a profile of
+    ``args.profile_steps`` full-batch decode steps, put in that batch's row."""
+    from tools.step_profile import summarize_profile
+
+    profile_batches = getattr(args, "profile_batches", [])
     runner, config = make_inprocess_runner(args, max(batches), shape)
     vocab = clamp_vocab_range(args.vocab_range, args.model_path)
     # Warm-up: lazy initialisation must not land in the first batch.
@@ -159,4 +258,19 @@ def sweep_inprocess(
     for i, batch in enumerate(batches):
         prompts = random_token_prompts([args.input_len] * batch, vocab, args.seed + i)
         rows.append(run_inprocess_batch(runner, config, prompts, args.output_len, "", in_flight))
+    for batch in profile_batches:
+        prompts = random_token_prompts([args.input_len] * batch, vocab, args.seed + batch)
+        prof, contexts = profile_full_decode(runner, config, prompts, args.profile_steps, in_flight)
+        row = next(r for r in rows if r["batch"] == batch)
+        title = (
+            f"where a decode step's GPU time goes: batch {batch}, contexts "
+            f"{min(contexts)}-{max(contexts)}, {args.profile_steps} steps, {in_flight} in flight"
+        )
+        if runner.device.type == "cuda":
+            result, text = summarize_profile(prof, args.profile_steps, shape, roof, contexts, title)
+            row["profile"] = result
+        else:  # no device kernels: the host ops are all there is to show
+            text = title + " (host ops; kernels need CUDA)\n"
+            text += prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+        row["profile_table"] = text
     return rows

@@ -92,9 +92,17 @@ def make_runner(args: argparse.Namespace, max_model_len: int, shape: ModelShape)
 
 
 def run_context(
-    runner: Any, context: int, steps: int, warmup: int, seq_id: int, seed: int, in_flight: int
+    runner: Any,
+    context: int,
+    steps: int,
+    warmup: int,
+    seq_id: int,
+    seed: int,
+    in_flight: int,
+    profiler: Any = None,
 ) -> dict[str, Any]:
-    """Prefill one sequence of ``context`` random tokens, then time decode steps."""
+    """Prefill one sequence of ``context`` random tokens, then time decode steps (all of them,
+    warm-up included, inside ``profiler``'s window when one is given)."""
     from pegainfer.protocol import BlockTableUpdate, NewSequence, SamplingParams, StepPlan, pack_ids
 
     total = context + warmup + steps + 1
@@ -142,6 +150,8 @@ def run_context(
     pending = 0
     total_steps = warmup + steps
     synchronize(runner.device)
+    if profiler is not None:
+        profiler.start()
     done.append(time.perf_counter())
     while len(done) <= total_steps:
         while pending < in_flight and len(done) - 1 + pending < total_steps:
@@ -155,6 +165,9 @@ def run_context(
             pending -= 1
             bar.update(1)
     bar.close()
+    if profiler is not None:
+        synchronize(runner.device)
+        profiler.stop()
     times = [done[i + 1] - done[i] for i in range(warmup, total_steps)]
     # Free the sequence on the runner (a plan with nothing to run but the finish).
     runner.execute(StepPlan(step_id + 1, [], b"", b"", b"", [], pack_ids([seq_id])))
@@ -167,19 +180,27 @@ def run_context(
 
 
 def profile_decode(
-    runner: Any, context: int, args: argparse.Namespace, in_flight: int, seq_id: int
-) -> None:
-    """A torch profiler summary of decode steps: which kernels take the GPU time."""
+    runner: Any,
+    context: int,
+    args: argparse.Namespace,
+    in_flight: int,
+    seq_id: int,
+    shape: ModelShape,
+    roof: Roofline,
+) -> str:
+    """A torch profiler summary of decode steps: the busiest ops, and on CUDA the step's GPU
+    time per part beside each part's floor."""
     import os
 
-    import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from tools.step_profile import summarize_profile
 
     activities = [ProfilerActivity.CPU]
     if runner.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        run_context(runner, context, args.steps, args.warmup_steps, seq_id, 0, in_flight)
+    prof = profile(activities=activities)
+    run_context(runner, context, args.steps, args.warmup_steps, seq_id, 0, in_flight, prof)
     averages = prof.key_averages()
     sort_key = "self_device_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
     try:
@@ -187,14 +208,22 @@ def profile_decode(
     except (AttributeError, KeyError):
         table = averages.table(sort_by="self_cuda_time_total", row_limit=25)
     steps = args.steps + args.warmup_steps
-    print(
-        f"\nprofile of {steps} decode steps at context {context}, {in_flight} in flight:\n{table}"
-    )
+    text = f"profile of {steps} decode steps at context {context}, {in_flight} in flight:\n{table}"
+    if runner.device.type == "cuda":
+        _, parts = summarize_profile(
+            prof,
+            steps,
+            shape,
+            roof,
+            [context + steps // 2],
+            f"where a batch-1 decode step's GPU time goes, context {context}, {steps} steps",
+        )
+        text += "\n\n" + parts
+    print("\n" + text, flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "latency_profile.txt"), "w") as f:
-        f.write(table)
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize()
+        f.write(text + "\n")
+    return text
 
 
 def summarize_context(raw: dict[str, Any], shape: ModelShape, roof: Roofline) -> dict[str, Any]:
@@ -259,8 +288,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runner, context, args.steps, args.warmup_steps, i, args.seed + i, in_flight
         )
         rows.append(summarize_context(raw, shape, roof))
+    profile_text = None
     if args.profile:
-        profile_decode(runner, contexts[0], args, in_flight, len(contexts))
+        profile_text = profile_decode(
+            runner, contexts[0], args, in_flight, len(contexts), shape, roof
+        )
     del runner
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -303,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runner_init_s": init_s,
         "results": rows,
         "table": text,
+        "profile": profile_text,
     }
     save_json(args.out, args.name, payload)
 

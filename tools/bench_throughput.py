@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-overlap", action="store_true", help="one step in flight (both engines)")
     p.add_argument("--server-args", default="", help="extra pegainfer arguments (server)")
+    p.add_argument(
+        "--profile-batches",
+        type=parse_int_list,
+        default=[],
+        help="inprocess engine: profile full-batch decode steps at these batch sizes and print "
+        "where the GPU time goes (per part of the step, beside its bytes' floor)",
+    )
+    p.add_argument("--profile-steps", type=int, default=32, help="decode steps profiled")
     p.add_argument("--hf-baseline", action="store_true", help="also run HF transformers generate")
     p.add_argument("--hf-batches", default="1,64")
     p.add_argument("--vocab-range", type=int, nargs=2, default=(100, 10000), metavar=("LO", "HI"))
@@ -228,6 +236,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     batches = parse_int_list(args.batches)
     hf_batches = parse_int_list(args.hf_batches)
+    if args.profile_batches and (
+        args.engine != "inprocess" or not set(args.profile_batches) <= set(batches)
+    ):
+        raise SystemExit("--profile-batches needs --engine inprocess and batches of --batches")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     shape = load_model_shape(args.model_path, dtype_bytes=dtype.itemsize)
@@ -237,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.engine == "server":
         rows = sweep_server(args, batches)
     else:
-        rows = sweep_inprocess(args, batches, shape)
+        rows = sweep_inprocess(args, batches, shape, roof)
     add_rooflines(rows, args, shape, roof)
     how = (
         "the process tree (HTTP streaming; step = median inter-token latency)"
@@ -278,6 +290,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ],
     )
     print(roof.describe() + "; target: decode step <= 1.3x its roofline at batch 8-256")
+    for row in rows:
+        if row.get("profile_table"):
+            print("\n" + row["profile_table"], flush=True)
+            text += "\n\n" + row["profile_table"]
 
     errors = [f"batch {r['batch']}: {r['error']}" for r in rows if r.get("error")]
     if errors:

@@ -1,0 +1,167 @@
+"""tools/step_profile.py: kernels of a decode step grouped into its parts, the projections named
+by their place in the step, and each part's floor; on CUDA, against a real profiled decode."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.bench_model import ModelShape, Roofline
+from tools.step_profile import (
+    GEMM,
+    LM_HEAD,
+    OTHER,
+    Kernel,
+    breakdown,
+    format_breakdown,
+    kernel_part,
+    label_kernels,
+    part_floors_us,
+)
+
+SHAPE = ModelShape(
+    architecture="Qwen3ForCausalLM",
+    num_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    vocab_size=1000,
+    tie_word_embeddings=True,
+    has_qk_norm=True,
+    dtype_bytes=2,
+)
+ROOF = Roofline("test", "bfloat16", copy_bytes_per_s=1e12, matmul_flops_per_s=1e15)
+
+# One layer as the model launches it: norm, qkv (split-K: a GEMM and its reduction), rotary,
+# attention, o, norm, gate_up, SiLU-and-mul, down.
+LAYER = [
+    ("triton_rms_norm_kernel_0d1d", 2.0),
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT", 5.0),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", 1.0),
+    ("_rotary_kernel", 3.0),
+    ("_decode_split_kernel", 7.0),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32", 4.0),
+    ("_rms_norm_kernel", 2.0),
+    ("_gemv_kernel", 20.0),
+    ("_silu_and_mul_kernel", 2.0),
+    ("_gemv_kernel", 10.0),
+]
+TAIL = [
+    ("_rms_norm_kernel", 2.0),
+    ("nvjet_tst_lm_head", 50.0),
+    ("void at::native::reduce_kernel<512, 1, argmax>", 3.0),
+    ("Memcpy DtoD (Device -> Device)", 1.0),
+]
+
+
+def step_kernels(steps: int, gap_us: float = 0.5, layers: int = 2) -> list[Kernel]:
+    kernels, clock = [], 100.0
+    for _ in range(steps):
+        for name, duration in LAYER * layers + TAIL:
+            kernels.append(Kernel(name, clock, duration))
+            clock += duration + gap_us
+    return kernels
+
+
+def test_kernel_names_map_to_parts():
+    assert kernel_part("nvjet_tst_128x8_64x8_2x1_v_bz_TNN") == GEMM
+    assert kernel_part("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16>") == GEMM
+    assert kernel_part("gemv2T_kernel_val<int, int, __nv_bfloat16>") == GEMM
+    assert kernel_part("_skinny_gemm_kernel") == GEMM
+    assert kernel_part("_decode_split_kernel") == "decode attention"
+    assert kernel_part("_prefill_kernel") == "prefill attention"
+    assert kernel_part("_rotary_kernel") == "q/k norm + rotary + kv write"
+    assert kernel_part("Memset (Device)") == "copies and memsets"
+    assert kernel_part("void at::native::vectorized_elementwise_kernel<4>") == OTHER
+
+
+def test_gemm_runs_are_named_by_their_place_in_the_step():
+    kernels = step_kernels(steps=3)
+    parts = label_kernels(kernels, SHAPE.num_layers)
+    gemms = [p for k, p in zip(kernels, parts) if kernel_part(k.name) == GEMM]
+    # qkv is a GEMM and its split-K reduction: one run, both kernels named qkv.
+    one_step = ["qkv", "qkv", "o", "gate_up", "down"] * 2 + [LM_HEAD]
+    assert gemms == one_step * 3
+    assert GEMM not in parts
+
+
+def test_runs_that_do_not_fit_the_step_stay_unnamed():
+    # Two layers' kernels profiled as if the model had three: no place can be trusted.
+    kernels = step_kernels(steps=2)
+    parts = label_kernels(kernels, num_layers=3)
+    assert GEMM in parts and "qkv" not in parts and LM_HEAD not in parts
+
+
+def test_breakdown_sums_parts_and_idle_per_step():
+    steps, gap = 4, 0.5
+    kernels = step_kernels(steps, gap_us=gap)
+    result = breakdown(kernels, steps, SHAPE, ROOF, [100, 200])
+    parts = {p["part"]: p for p in result["parts"]}
+    assert parts["qkv"]["us_per_step"] == pytest.approx(2 * 6.0)
+    assert parts["qkv"]["kernels_per_step"] == pytest.approx(4)
+    assert parts["gate_up"]["us_per_step"] == pytest.approx(40.0)
+    assert parts[LM_HEAD]["us_per_step"] == pytest.approx(50.0)
+    assert parts["decode attention"]["us_per_step"] == pytest.approx(14.0)
+    busy = sum(d for _, d in LAYER * 2 + TAIL)
+    assert result["busy_us"] == pytest.approx(busy)
+    launches = len(LAYER * 2 + TAIL)
+    # Every kernel but the window's last is followed by a gap.
+    assert result["idle_us"] == pytest.approx(gap * (launches * steps - 1) / steps)
+    assert result["step_us"] == pytest.approx(result["busy_us"] + result["idle_us"])
+    assert sum(p["share_of_step"] for p in result["parts"]) == pytest.approx(
+        100 * busy / result["step_us"]
+    )
+    # Floors: weights of each projection, the LM head, and the KV of both contexts.
+    floors = part_floors_us(SHAPE, ROOF, [100, 200])
+    assert floors["o"] == pytest.approx(2 * 64 * 64 * 2 / 1e6)
+    assert floors["decode attention"] == pytest.approx(302 * SHAPE.kv_bytes_per_token / 1e6)
+    assert parts["o"]["floor_us_per_step"] == pytest.approx(floors["o"])
+    assert result["floor_us"] == pytest.approx(sum(floors.values()))
+    table = format_breakdown("title", result, SHAPE.num_layers)
+    assert "idle between kernels" in table and "gate_up" in table and "floor us" in table
+
+
+def test_an_empty_window_is_an_error():
+    with pytest.raises(ValueError, match="no device kernels"):
+        breakdown([], 1, SHAPE, ROOF)
+
+
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs CUDA: kernels of a real decode"
+)
+def test_profiled_decode_on_cuda_names_every_projection(tmp_path):
+    """A real model's decode steps, in CUDA graphs, profiled: the trace holds the graphs'
+    kernels, and every projection and the LM head are found in every step."""
+    import argparse
+
+    from tools.bench_common import measure_roofline
+    from tools.bench_inprocess import make_inprocess_runner, profile_full_decode
+    from tools.bench_model import load_model_shape
+    from tools.make_tiny_checkpoint import make_checkpoint
+    from tools.step_profile import summarize_profile
+
+    path = make_checkpoint(str(tmp_path / "tiny"), arch="qwen3", preset="tiny", seed=0)
+    shape = load_model_shape(path)
+    args = argparse.Namespace(
+        model_path=path,
+        device="cuda",
+        dtype="bfloat16",
+        input_len=40,
+        output_len=16,
+        max_num_batched_tokens=0,
+        enforce_eager=False,
+        seed=0,
+    )
+    runner, config = make_inprocess_runner(args, 4, shape)
+    prompts = [[100 + i + j for j in range(40)] for i in range(4)]
+    steps = 6
+    prof, contexts = profile_full_decode(runner, config, prompts, steps)
+    assert len(contexts) == 4 and min(contexts) > 40
+    roof = measure_roofline(runner.device, runner.dtype)
+    result, table = summarize_profile(prof, steps, shape, roof, contexts, "tiny decode")
+    parts = {p["part"]: p for p in result["parts"]}
+    for name in ("qkv", "o", "gate_up", "down", LM_HEAD, "decode attention"):
+        assert parts[name]["us_per_step"] > 0, table
+    assert parts["qkv"]["kernels_per_step"] >= shape.num_layers
+    assert result["step_us"] >= result["busy_us"] > 0

@@ -1,0 +1,189 @@
+"""Where a decode step's GPU time goes: the kernels of a torch profiler trace, grouped into the
+parts of a step and set beside the floor of each part's bytes at the copy bandwidth.
+
+A decode step runs, per layer: add + RMSNorm, the QKV projection, q/k norm + rotary + KV write,
+decode attention, the O projection, add + RMSNorm, gate/up, SiLU-and-mul, down; then the final
+norm, the LM head and sampling. Each projection is one GEMM (cuBLAS, or a Triton GEMV at one
+row), sometimes followed by cuBLAS's split-K reduction, and no two projections are adjacent:
+so the n-th run of consecutive GEMM kernels in a step is the n-th projection, and runs are
+named by their place in the step (qkv, o, gate_up, down for each layer, then the LM head).
+When the runs do not come in whole steps of that pattern they are all counted as "gemm".
+
+The window must hold only whole decode steps of one batch (``profile_full_decode`` in
+``tools.bench_inprocess`` makes one). The step time is the span from the first kernel's start
+to the last kernel's end over the steps; what the kernels do not cover is the GPU idle between
+kernels: launch gaps inside a graph and anything the host makes the GPU wait for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tools.bench_common import format_table
+from tools.bench_model import ModelShape, Roofline
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+LM_HEAD = "lm_head"
+GEMM = "gemm"
+# Substrings (lower case) of cuBLAS/CUTLASS kernel names and of the Triton linear kernels.
+_GEMM_MARKERS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce", "_skinny_gemm")
+_PARTS = (
+    ("_decode_split_kernel", "decode attention"),
+    ("_prefill_kernel", "prefill attention"),
+    ("_prefill_merge_kernel", "prefill attention"),
+    ("_work_table_kernel", "prefill attention"),
+    ("_rms_norm_kernel", "add + rmsnorm"),
+    ("_rotary_kernel", "q/k norm + rotary + kv write"),
+    ("_store_kv_kernel", "q/k norm + rotary + kv write"),
+    ("_silu_and_mul_kernel", "silu x mul"),
+    ("memcpy", "copies and memsets"),
+    ("memset", "copies and memsets"),
+)
+OTHER = "other (torch ops: embedding, sampling)"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    start_us: float
+    duration_us: float
+
+
+def kernel_part(name: str) -> str:
+    lowered = name.lower()
+    if any(marker in lowered for marker in _GEMM_MARKERS):
+        return GEMM
+    for marker, part in _PARTS:
+        if marker in lowered:
+            return part
+    return OTHER
+
+
+def device_kernels(prof: Any) -> list[Kernel]:
+    """The device-side events (kernels, copies, memsets) of a finished torch profiler, in the
+    order they started."""
+    from torch.autograd import DeviceType
+
+    kernels = [
+        Kernel(evt.name, float(evt.time_range.start), float(evt.time_range.elapsed_us()))
+        for evt in prof.events()
+        if evt.device_type == DeviceType.CUDA
+    ]
+    kernels.sort(key=lambda k: k.start_us)
+    return kernels
+
+
+def label_kernels(kernels: Sequence[Kernel], num_layers: int) -> list[str]:
+    """Each kernel's part; GEMM runs named by their place in the step where they fit."""
+    parts = [kernel_part(k.name) for k in kernels]
+    runs: list[list[int]] = []
+    previous_gemm = False
+    for i, part in enumerate(parts):
+        if part == GEMM:
+            if not previous_gemm:
+                runs.append([])
+            runs[-1].append(i)
+        previous_gemm = part == GEMM
+    per_step = len(PROJECTIONS) * num_layers + 1
+    if runs and len(runs) % per_step == 0:
+        for n, run in enumerate(runs):
+            place = n % per_step
+            name = LM_HEAD if place == per_step - 1 else PROJECTIONS[place % len(PROJECTIONS)]
+            for i in run:
+                parts[i] = name
+    return parts
+
+
+def part_floors_us(
+    shape: ModelShape, roof: Roofline, context_lens: Sequence[int]
+) -> dict[str, float]:
+    """Each weight-reading part's bytes per step (and attention's KV) at the copy bandwidth."""
+    h, d, layers = shape.hidden_size, shape.head_dim, shape.num_layers
+    params = {
+        "qkv": h * (shape.num_heads + 2 * shape.num_kv_heads) * d * layers,
+        "o": shape.num_heads * d * h * layers,
+        "gate_up": 2 * h * shape.intermediate_size * layers,
+        "down": shape.intermediate_size * h * layers,
+        LM_HEAD: shape.lm_head_params,
+    }
+    per_s = roof.copy_bytes_per_s / 1e6
+    floors = {name: n * shape.dtype_bytes / per_s for name, n in params.items()}
+    kv_tokens = sum(context_lens) + len(context_lens)
+    floors["decode attention"] = kv_tokens * shape.kv_bytes_per_token / per_s
+    return floors
+
+
+def breakdown(
+    kernels: Sequence[Kernel],
+    steps: int,
+    shape: ModelShape,
+    roof: Roofline | None = None,
+    context_lens: Sequence[int] = (),
+) -> dict[str, Any]:
+    """Per-step microseconds of each part, the GPU busy and idle time, and floors."""
+    if not kernels or steps < 1:
+        raise ValueError("no device kernels in the window: is this a CUDA run?")
+    parts = label_kernels(kernels, shape.num_layers)
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for kernel, part in zip(kernels, parts):
+        totals[part] = totals.get(part, 0.0) + kernel.duration_us
+        counts[part] = counts.get(part, 0) + 1
+    span = max(k.start_us + k.duration_us for k in kernels) - kernels[0].start_us
+    busy = sum(totals.values())
+    floors = part_floors_us(shape, roof, context_lens) if roof is not None else {}
+    rows = [
+        {
+            "part": part,
+            "us_per_step": total / steps,
+            "kernels_per_step": counts[part] / steps,
+            "share_of_step": 100.0 * total / span,
+            "floor_us_per_step": floors.get(part),
+        }
+        for part, total in sorted(totals.items(), key=lambda item: -item[1])
+    ]
+    return {
+        "steps": steps,
+        "kernels_per_step": len(kernels) / steps,
+        "step_us": span / steps,
+        "busy_us": busy / steps,
+        "idle_us": (span - busy) / steps,
+        "parts": rows,
+        "floor_us": sum(floors.values()) if floors else None,
+    }
+
+
+def format_breakdown(title: str, result: dict[str, Any], num_layers: int) -> str:
+    def row(name: str, us: float, kernels: float | None, floor: float | None) -> list[Any]:
+        share = 100.0 * us / result["step_us"]
+        of_floor = 100.0 * floor / us if floor and us else None
+        return [name, us, us / num_layers, kernels, share, floor, of_floor]
+
+    rows = [
+        row(p["part"], p["us_per_step"], p["kernels_per_step"], p["floor_us_per_step"])
+        for p in result["parts"]
+    ]
+    rows.append(row("idle between kernels", result["idle_us"], None, None))
+    rows.append(
+        row("step (first kernel start to last end)", result["step_us"], None, result["floor_us"])
+    )
+    return format_table(
+        title,
+        ["part", "us/step", "us/layer", "kernels/step", "% of step", "floor us", "floor/time %"],
+        rows,
+    )
+
+
+def summarize_profile(
+    prof: Any,
+    steps: int,
+    shape: ModelShape,
+    roof: Roofline | None,
+    context_lens: Iterable[int],
+    title: str,
+) -> tuple[dict[str, Any], str]:
+    """The breakdown of a finished profiler's window and its table."""
+    result = breakdown(device_kernels(prof), steps, shape, roof, list(context_lens))
+    return result, format_breakdown(title, result, shape.num_layers)
