@@ -127,36 +127,55 @@ def test_an_empty_window_is_an_error():
         breakdown([], 1, SHAPE, ROOF)
 
 
+def profiled_decode(tmp_path, device: str, max_num_batched_tokens: int, steps: int):
+    import argparse
+
+    from tools.bench_inprocess import make_inprocess_runner, profile_full_decode
+    from tools.bench_model import load_model_shape
+    from tools.make_tiny_checkpoint import make_checkpoint
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    path = make_checkpoint(str(tmp_path / "tiny"), arch="qwen3", preset="tiny", seed=0)
+    shape = load_model_shape(path)
+    args = argparse.Namespace(
+        model_path=path,
+        device=device,
+        dtype=dtype,
+        input_len=40,
+        output_len=16,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enforce_eager=False,
+        seed=0,
+        profile_steps=steps,
+    )
+    runner, config = make_inprocess_runner(args, 4, shape)
+    prompts = [[100 + i + j for j in range(40)] for i in range(4)]
+    prof, contexts = profile_full_decode(runner, config, prompts, steps)
+    return runner, shape, prof, contexts
+
+
+def test_profile_window_holds_whole_decode_steps_after_a_chunked_prefill(tmp_path):
+    # 160 prompt tokens at 48 a step: the first prompts decode while the last are prefilled,
+    # so the batch's sequences are at different lengths when the window opens.
+    runner, _, prof, contexts = profiled_decode(tmp_path, "cpu", 48, steps=5)
+    assert len(contexts) == 4 and min(contexts) > 40 and max(contexts) > min(contexts)
+    # The window holds the model's forwards (its RMSNorm reference takes an rsqrt).
+    assert any(e.name == "aten::rsqrt" for e in prof.events()), "no model forward profiled"
+    # The requests were aborted and the runner dropped their sequences.
+    assert not runner.has_pending() and not runner.live.seqs
+
+
 @pytest.mark.skipif(
     not __import__("torch").cuda.is_available(), reason="needs CUDA: kernels of a real decode"
 )
 def test_profiled_decode_on_cuda_names_every_projection(tmp_path):
     """A real model's decode steps, in CUDA graphs, profiled: the trace holds the graphs'
     kernels, and every projection and the LM head are found in every step."""
-    import argparse
-
     from tools.bench_common import measure_roofline
-    from tools.bench_inprocess import make_inprocess_runner, profile_full_decode
-    from tools.bench_model import load_model_shape
-    from tools.make_tiny_checkpoint import make_checkpoint
     from tools.step_profile import summarize_profile
 
-    path = make_checkpoint(str(tmp_path / "tiny"), arch="qwen3", preset="tiny", seed=0)
-    shape = load_model_shape(path)
-    args = argparse.Namespace(
-        model_path=path,
-        device="cuda",
-        dtype="bfloat16",
-        input_len=40,
-        output_len=16,
-        max_num_batched_tokens=0,
-        enforce_eager=False,
-        seed=0,
-    )
-    runner, config = make_inprocess_runner(args, 4, shape)
-    prompts = [[100 + i + j for j in range(40)] for i in range(4)]
     steps = 6
-    prof, contexts = profile_full_decode(runner, config, prompts, steps)
+    runner, shape, prof, contexts = profiled_decode(tmp_path, "cuda", 0, steps)
     assert len(contexts) == 4 and min(contexts) > 40
     roof = measure_roofline(runner.device, runner.dtype)
     result, table = summarize_profile(prof, steps, shape, roof, contexts, "tiny decode")

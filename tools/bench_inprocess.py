@@ -32,8 +32,10 @@ def make_inprocess_runner(
     from worker_proc.model_runner import ModelRunner
 
     block_size = 16
-    # A profiled batch decodes a few warm-up steps, the profiled ones, and the two in flight.
-    profiled = PROFILE_WARM_STEPS + getattr(args, "profile_steps", 0) + 4
+    # A profiled batch decodes a few warm-up steps, the profiled ones and the two in flight,
+    # and its first sequences may decode while the last prompts are prefilled.
+    prefill_steps = -(-max_batch * args.input_len // batched_tokens(args))
+    profiled = PROFILE_WARM_STEPS + getattr(args, "profile_steps", 0) + 4 + prefill_steps
     max_model_len = args.input_len + max(args.output_len, profiled) + 8
     blocks = max_batch * (-(-max_model_len // block_size) + 1)
     config = EngineConfig(
@@ -203,14 +205,19 @@ def profile_full_decode(
 ) -> tuple[Any, list[int]]:
     """Prefill ``prompts``, decode ``warm_steps`` full-batch steps, then profile exactly
     ``steps`` more with the torch profiler, nothing else on the device in the window; the
-    requests then run out. Returns the finished profiler and the contexts the window's first
-    step attends to."""
+    requests are then aborted. Returns the finished profiler and the contexts the window's
+    first step attends to."""
     from torch.profiler import ProfilerActivity, profile
 
     from tools.bench_common import synchronize
 
-    output_len = warm_steps + steps + in_flight + 2
-    driver = StepDriver(runner, config, make_requests(prompts, output_len, "profile "), in_flight)
+    # As many tokens as the model length allows: sequences that began to decode while later
+    # prompts were prefilled run ahead of the rest, and none may finish inside the window.
+    output_len = config.max_model_len - max(len(p) for p in prompts)
+    if output_len < warm_steps + steps + in_flight:
+        raise ValueError(f"max_model_len {config.max_model_len} leaves too few decode steps")
+    requests = make_requests(prompts, output_len, "profile ")
+    driver = StepDriver(runner, config, requests, in_flight)
     full_done = 0
     while full_done < warm_steps:
         if not driver.busy():
@@ -233,9 +240,7 @@ def profile_full_decode(
                 submitted += 1
             driver.collect()
         synchronize(runner.device)
-    while driver.busy():
-        driver.fill()
-        driver.collect()
+    driver.scheduler.abort([r.request_id for r in requests])
     driver.release()
     return prof, contexts
 
