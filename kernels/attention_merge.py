@@ -4,7 +4,7 @@ When a kernel splits keys, each program writes its rows' normalised partial outp
 log-sum-exp (base 2) to float32 scratch, as before. Instead of a second kernel combining
 them, every program of a group of splits then bumps that group's counter with an acq_rel
 atomic; the program that sees the count reach ``num_splits - 1`` arrives last, so all the
-others' partials are visible to it. It merges them (``merge_split_partials``), writes the
+others' partials are visible to it. It merges them (``merge_split_chunks``), writes the
 output and puts the counter back to 0. Split decode attention is thus one launch per layer.
 
 Decode uses it: a group's merge is a few rows (the query heads of one KV head). Prefill keeps
@@ -57,20 +57,13 @@ def split_counters(count: int, device: torch.device) -> torch.Tensor:
     return buffer
 
 
-def merge_unroll(rows: int, head_dim_pad: int, num_warps: int) -> int:
-    """Splits whose loads ``merge_split_partials`` keeps in flight together: as many as fit
-    in about 128 registers a thread (a 16x128 decode tile: 4; a 64x128 tile: 2)."""
-    per_thread = max(1, rows * head_dim_pad // (32 * num_warps))
-    return max(1, min(4, 128 // per_thread))
-
-
 @triton_jit
 def arrive_last(counter_ptr, num_splits):
     """Count this program in at its group's counter; True for the last of ``num_splits``.
 
     The barrier first makes every thread of the program finish its partial stores, which the
     acq_rel atomic then publishes (release) and, in the last program, acquires the others'.
-    The last program then reads them with ``merge_split_partials``'s ``.cg`` loads, never
+    The last program then reads them with ``merge_split_chunks``'s ``.cg`` loads, never
     through a possibly stale L1.
     """
     tl.debug_barrier()
@@ -79,55 +72,58 @@ def arrive_last(counter_ptr, num_splits):
 
 
 @triton_jit
-def merge_split_partials(
+def merge_split_chunks(
     partial_out_ptr,
     partial_lse_ptr,
-    row_index,
-    split_stride,
+    first_row,
     num_splits,
     row_mask,
     dims,
     head_dim,
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    UNROLL: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """Combine ``num_splits`` partials of ``ROWS`` rows into their softmax-weighted mean.
 
-    Split ``s`` of row ``r`` is scratch row ``row_index[r] + s * split_stride`` (``row_index``
-    int64): its output at ``partial_out_ptr + scratch_row * head_dim`` (``head_dim`` float32)
-    and its base-2 log-sum-exp at ``partial_lse_ptr + scratch_row``, -inf when the split saw
-    no key of the row. Every split below ``num_splits`` must have written both for every row
-    in ``row_mask`` (a finite output, 0 if it saw no key). One pass with a running maximum,
-    like the online softmax: a row no split saw merges to 0, never NaN. ``UNROLL`` splits'
-    loads are in flight at once. Returns ``[ROWS, HEAD_DIM]`` float32.
-    """
-    dim_mask = dims < head_dim
-    # Finite start, so exp2(m_old - m_new) is never exp2(-inf + inf).
-    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
-    total = tl.zeros([ROWS], dtype=tl.float32)
+    Split ``s`` of row ``r`` is scratch row ``first_row[r] + s`` (``first_row`` int64,
+    ``num_splits <= SPLITS_PAD``): its output at ``partial_out_ptr + scratch_row * head_dim``
+    (``head_dim`` float32) and its base-2 log-sum-exp at ``partial_lse_ptr + scratch_row``,
+    -inf when the split saw no key of the row. Every split below ``num_splits`` must have
+    written both for every row in ``row_mask`` (a finite output, 0 if it saw no key).
+
+    The merge is a chain of L2 round trips on the launch's critical path, so it takes few:
+    every split's log-sum-exp in one load, which fixes each split's weight up front, then
+    the partial outputs ``CHUNK`` splits at a time as one ``[ROWS, CHUNK, HEAD_DIM]`` tile
+    (their loads wait on nothing). A row no split saw merges to 0, never NaN. Loads are
+    ``.cg``: other programs wrote these, so they come from L2, never a stale L1 line.
+    Returns ``[ROWS, HEAD_DIM]`` float32."""
+    splits = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(
+        partial_lse_ptr + first_row[:, None] + splits[None, :],
+        mask=row_mask[:, None] & (splits < num_splits)[None, :],
+        other=-float("inf"),
+        cache_modifier=".cg",
+    )
+    m = tl.max(lse, axis=1)
+    m = tl.where(m > -float("inf"), m, 0.0)  # a row no split saw: all weights 0, output 0
+    total = tl.sum(tl.exp2(lse - m[:, None]), axis=1)
+    chunk = tl.arange(0, CHUNK)
+    out_mask = (row_mask[:, None] & (dims < head_dim)[None, :])[:, None, :]
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-    # Stepped, not multiplied: an int64 ``row_index`` keeps every scratch row from overflowing.
-    scratch_row = row_index
-    out_mask = row_mask[:, None] & dim_mask[None, :]
-    # The merge is a chain of L2 round trips on the launch's critical path: unrolled, and
-    # with neither load waiting for the other, several splits' loads overlap.
-    for _ in tl.range(0, num_splits, loop_unroll_factor=UNROLL):
-        # Other programs wrote these: .cg reads them from L2, never from a stale L1 line.
-        lse = tl.load(
-            partial_lse_ptr + scratch_row, mask=row_mask, other=-float("inf"), cache_modifier=".cg"
+    for start in range(0, num_splits, CHUNK):
+        rows = first_row[:, None] + start + chunk[None, :]  # [ROWS, CHUNK]
+        in_range = row_mask[:, None] & (start + chunk < num_splits)[None, :]
+        chunk_lse = tl.load(
+            partial_lse_ptr + rows, mask=in_range, other=-float("inf"), cache_modifier=".cg"
         )
+        weight = tl.exp2(chunk_lse - m[:, None])
         partial = tl.load(
-            partial_out_ptr + scratch_row[:, None] * head_dim + dims[None, :],
-            mask=out_mask,
+            partial_out_ptr + rows[:, :, None] * head_dim + dims[None, None, :],
+            mask=in_range[:, :, None] & out_mask,
             other=0.0,
             cache_modifier=".cg",
         )
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp2(m_i - m_new)
-        weight = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + partial * weight[:, None]
-        total = total * alpha + weight
-        m_i = m_new
-        scratch_row += split_stride
+        acc += tl.sum(partial * weight[:, :, None], axis=1)
     return acc / tl.where(total > 0.0, total, 1.0)[:, None]

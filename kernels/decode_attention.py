@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kernels import attention_merge
-from kernels.attention_merge import merge_unroll, split_counters
+from kernels.attention_merge import split_counters
 from kernels.backend import (
     cdiv,
     dot_needs_fp32,
@@ -46,6 +46,8 @@ MAX_SPLITS = 32
 # three a SM beat four: 64 sequences took 69.9 us a layer unsplit and 75.7 with 2 splits, 24
 # sequences 32.7 with 2 splits and 40.3 unsplit, 16 sequences 24.3 with 3 and 24.5 with 5.
 PROGRAMS_PER_SM = 3
+# Splits the merge reads per round trip, as one [group, chunk, head_dim] float32 tile.
+MERGE_CHUNK = 8
 
 
 @triton_jit
@@ -92,7 +94,9 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    MERGE_UNROLL: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -131,8 +135,10 @@ def _decode_split_kernel(
         kv_offsets = (slots + head_offset)[:, None] + dims[None, :]
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         # Masked loads give 0 for slots past the end: stale cache values (even NaN) never
-        # reach the products below.
+        # reach the products below. V is loaded with K, not after the softmax: a short
+        # split's loop is one round of dependent loads, and V then costs no round of its own.
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
@@ -141,7 +147,6 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         # p is rounded to the cache dtype for the tensor-core product, as on the GPU.
         p_low = p.to(v.dtype)
         if DOT_FP32:
@@ -173,20 +178,30 @@ def _decode_split_kernel(
         # context uses none and gets zeros (a padding row of a captured batch).
         counter = split_counters_ptr + seq * tl.num_programs(1) + kv_head
         if attention_merge.arrive_last(counter, max_splits):
-            merged = attention_merge.merge_split_partials(
+            # The group's real rows only (not the tl.dot padding): a smaller tile lets more
+            # splits' loads be in flight at once.
+            m_rows = tl.arange(0, GROUP_M)
+            m_heads = kv_head * GROUP + m_rows
+            m_mask = m_rows < GROUP
+            merged = attention_merge.merge_split_chunks(
                 partial_out_ptr,
                 partial_lse_ptr,
-                first_row,
-                1,
+                (seq * num_heads + m_heads) * max_splits,
                 splits_used,
-                rows < GROUP,
+                m_mask,
                 dims,
                 head_dim,
-                GROUP_PAD,
+                GROUP_M,
                 HEAD_DIM,
-                MERGE_UNROLL,
+                SPLITS_PAD,
+                MERGE_CHUNK,
             )
-            tl.store(out_ptr + out_offsets, merged.to(out_ptr.dtype.element_ty), mask=q_mask)
+            m_offsets = seq * stride_out_seq + m_heads[:, None] * stride_out_head + dims[None, :]
+            tl.store(
+                out_ptr + m_offsets,
+                merged.to(out_ptr.dtype.element_ty),
+                mask=m_mask[:, None] & dim_mask[None, :],
+            )
             tl.store(counter, 0)  # ready for the next launch (or graph replay)
 
 
@@ -220,6 +235,7 @@ def paged_decode_attention_triton(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    merge_chunk: int = MERGE_CHUNK,
 ) -> torch.Tensor:
     """Attention of one query per sequence, ``q [num_seqs, num_heads, head_dim]``.
 
@@ -253,10 +269,11 @@ def paged_decode_attention_triton(
         block_n = 32 if fp32 else 64
     single = max_splits == 1
     if num_stages is None:
-        # Measured on an H200 (in CUDA graphs, KV out of L2): unsplit batches stream best
-        # three tiles deep (64 sequences: 69.9 against 70.6 us a layer), one sequence's short
-        # splits best unpipelined (1k context: 6.6 against 7.2 us).
-        num_stages = 3 if single else 1 if num_seqs == 1 else 2
+        # Three tiles in flight. Measured on an H200 (Qwen3-4B heads, in CUDA graphs, KV out
+        # of L2, a 40k-token grid bound), against one stage for one sequence and two for
+        # more: one sequence at 16k 29.6 against 35.0 us, at 4k 12.6 against 13.0; 8 at 1k
+        # 17.1 against 17.9; within 0.4 us elsewhere (one sequence at 1-1k, 2-64 at 1k).
+        num_stages = 3
     if single:
         partial_out = partial_lse = out  # unused by the single-split kernel
         counters = context_lens  # unused
@@ -300,7 +317,9 @@ def paged_decode_attention_triton(
         SINGLE_SPLIT=single,
         PRECISION="ieee" if fp32 else "tf32",
         DOT_FP32=dot_needs_fp32(k_cache.dtype),
-        MERGE_UNROLL=merge_unroll(group_pad, head_dim_pad, num_warps),
+        GROUP_M=next_power_of_2(group),
+        SPLITS_PAD=max(next_power_of_2(MAX_SPLITS), next_power_of_2(max_splits)),
+        MERGE_CHUNK=merge_chunk,
         num_warps=num_warps,
         num_stages=num_stages,
     )

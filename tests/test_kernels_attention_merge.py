@@ -13,7 +13,7 @@ from triton_test_util import DEVICE, SEED, check, gen, gpu_only, randn, requires
 
 import kernels.attention_merge as attention_merge
 from kernels.attention import paged_attention_ref, paged_attention_triton
-from kernels.attention_merge import MIN_COUNTERS, merge_unroll, split_counters
+from kernels.attention_merge import MIN_COUNTERS, split_counters
 from kernels.backend import load_triton, triton_jit
 
 pytestmark = requires_triton
@@ -39,13 +39,6 @@ def test_split_counters_are_zeroed_reused_and_grow_without_freeing(fresh_counter
     assert len(held) == 2 and held[0] is first and held[1] is grown
 
 
-def test_merge_unroll_keeps_the_loads_in_registers():
-    assert merge_unroll(16, 128, 4) == 4  # a decode group's tile
-    assert merge_unroll(64, 128, 4) == 2
-    assert merge_unroll(64, 256, 8) == 2
-    assert merge_unroll(128, 256, 4) == 1  # never 0
-
-
 @triton_jit
 def _count_in_kernel(counters_ptr, arrivals_ptr, num_splits):
     group = tl.program_id(0) // num_splits
@@ -64,24 +57,25 @@ def _merge_kernel(
     head_dim,
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    UNROLL: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, HEAD_DIM)
     row_mask = rows < num_rows
-    # partial_out [num_splits, num_rows, head_dim]: split s of a row is num_rows further.
-    merged = attention_merge.merge_split_partials(
+    # partial_out [num_rows, num_splits, head_dim]: a row's splits are contiguous.
+    merged = attention_merge.merge_split_chunks(
         partial_out_ptr,
         partial_lse_ptr,
-        rows.to(tl.int64),
-        num_rows,
+        rows.to(tl.int64) * num_splits,
         num_splits,
         row_mask,
         dims,
         head_dim,
         ROWS,
         HEAD_DIM,
-        UNROLL,
+        SPLITS_PAD,
+        CHUNK,
     )
     mask = row_mask[:, None] & (dims < head_dim)[None, :]
     tl.store(out_ptr + rows[:, None] * head_dim + dims[None, :], merged, mask=mask)
@@ -98,11 +92,11 @@ def test_exactly_one_program_per_group_arrives_last(fresh_counters):
         assert not counters.any()
 
 
-@pytest.mark.parametrize("unroll", [1, 4])
-def test_merge_weights_partials_by_their_log_sum_exp(unroll):
+@pytest.mark.parametrize("chunk", [1, 4, 8])
+def test_merge_weights_partials_by_their_log_sum_exp(chunk):
     """Rows whose splits saw keys merge to the softmax-weighted mean (lse spread over a
-    wide range, some splits empty; 6 splits are not a multiple of the unroll); a row no
-    split saw merges to 0, not NaN."""
+    wide range, some splits empty; 6 splits are not a multiple of 4, and fewer than 8); a
+    row no split saw merges to 0, not NaN."""
     load_triton()
     num_splits, rows, head_dim = 6, 5, 24
     g = gen(50)
@@ -114,9 +108,10 @@ def test_merge_weights_partials_by_their_log_sum_exp(unroll):
     weights = torch.softmax(lse * torch.log(torch.tensor(2.0)), dim=0).nan_to_num(0.0)
     expected = (weights.unsqueeze(-1) * partial.clamp(-1e3, 1e3)).sum(0)
     out = torch.full((rows, head_dim), float("nan"), device=DEVICE)
+    by_row = partial.transpose(0, 1).contiguous().to(DEVICE)
     _merge_kernel[(1,)](
-        partial.to(DEVICE), lse.to(DEVICE), out, rows, num_splits, head_dim,
-        ROWS=8, HEAD_DIM=32, UNROLL=unroll,
+        by_row, lse.t().contiguous().to(DEVICE), out, rows, num_splits, head_dim,
+        ROWS=8, HEAD_DIM=32, SPLITS_PAD=8, CHUNK=chunk,
     )  # fmt: skip
     assert torch.equal(out[3].cpu(), torch.zeros(head_dim))
     keep = [0, 1, 2, 4]
