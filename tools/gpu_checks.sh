@@ -4,7 +4,8 @@
 # end lists each step's exit status.
 #
 #   bash tools/gpu_checks.sh tests    # GPU golden tests, Triton kernels, CUDA graphs, overlap
-#   bash tools/gpu_checks.sh bench    # latency, kernels, throughput (+HF baseline), prefix TTFT
+#   bash tools/gpu_checks.sh bench    # latency and throughput with step profiles, HF baseline,
+#                                     # kernels, linear layers, prefix TTFT
 #   bash tools/gpu_checks.sh serve    # startup time and memory, online serving load
 #
 # Benchmarks use a Qwen3-4B-shaped checkpoint with random weights, written once to CKPT_DIR.
@@ -39,23 +40,30 @@ tests)
   step gpu_golden python3 -m pytest -v -s -rs -p no:cacheprovider tests/test_gpu_golden.py
   step gpu_tests python3 -m pytest -v -rs -p no:cacheprovider \
     tests/test_model_golden.py tests/test_kernels_triton.py \
-    tests/test_kernels_triton_attention.py tests/test_kernels_linear.py \
-    tests/test_cuda_graphs.py tests/test_overlap.py tests/test_sampler.py tests/test_worker_logprobs.py
+    tests/test_kernels_triton_attention.py tests/test_kernels_attention_merge.py \
+    tests/test_kernels_linear.py tests/test_prefill_work.py tests/test_cuda_graphs.py \
+    tests/test_overlap.py tests/test_sampler.py tests/test_worker_logprobs.py \
+    tests/test_step_profile.py
   ;;
 bench)
   need_checkpoint
-  step bench_latency python3 -m tools.bench_latency --model-path "$ckpt" --out "$out/latency"
+  step bench_latency python3 -m tools.bench_latency --model-path "$ckpt" --out "$out/latency" \
+    --contexts 128,1024,4096,16384 --profile
   step bench_kernels python3 -m tools.bench_kernels --out "$out/kernels"
   step tune_linear python3 -m tools.tune_linear --defaults-only --out "$out/linear"
   step bench_throughput python3 -m tools.bench_throughput --model-path "$ckpt" \
     --out "$out/throughput" --hf-baseline
+  step bench_throughput_inprocess python3 -m tools.bench_throughput --model-path "$ckpt" \
+    --engine inprocess --profile-batches 8,32,64 --out "$out/throughput_inprocess"
   step bench_prefix_cache python3 -m tools.bench_prefix_cache --model-path "$ckpt" \
     --out "$out/prefix_cache" --lengths 1024,4096,16384
   ;;
 serve)
   need_checkpoint
   step bench_startup python3 -m tools.bench_startup --model-path "$ckpt" --out "$out/startup"
-  step bench_serving_run bash -c "python3 -m tools.bench_serving --help >/dev/null"
+  step bench_serving python3 -m tools.bench_serving --launch --model-path "$ckpt" \
+    --request-rate 32 --num-prompts 200 --input-len 1024 --input-len-range 0.5 --output-len 128 \
+    --out "$out/serving"
   ;;
 *)
   echo "unknown stage $stage" >&2
