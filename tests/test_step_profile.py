@@ -122,6 +122,18 @@ def test_breakdown_sums_parts_and_idle_per_step():
     assert "idle between kernels" in table and "gate_up" in table and "floor us" in table
 
 
+def test_long_gaps_are_told_apart_from_launch_gaps():
+    # Two steps, 0.5 us between kernels, and the second step launched 40 us late.
+    kernels = step_kernels(steps=2, gap_us=0.5)
+    per_step = len(LAYER * 2 + TAIL)
+    late = [Kernel(k.name, k.start_us + 40.0, k.duration_us) for k in kernels[per_step:]]
+    result = breakdown(kernels[:per_step] + late, 2, SHAPE, ROOF)
+    assert result["longest_gap_us"] == pytest.approx(40.5)
+    assert result["long_gaps_us"] == pytest.approx(40.5 / 2)
+    assert result["idle_us"] == pytest.approx((0.5 * (2 * per_step - 1) + 40.0) / 2)
+    assert "gaps of 5 us or more" in format_breakdown("t", result, SHAPE.num_layers)
+
+
 def test_an_empty_window_is_an_error():
     with pytest.raises(ValueError, match="no device kernels"):
         breakdown([], 1, SHAPE, ROOF)

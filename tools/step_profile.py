@@ -12,7 +12,8 @@ When the runs do not come in whole steps of that pattern they are all counted as
 The window must hold only whole decode steps of one batch (``profile_full_decode`` in
 ``tools.bench_inprocess`` makes one). The step time is the span from the first kernel's start
 to the last kernel's end over the steps; what the kernels do not cover is the GPU idle between
-kernels: launch gaps inside a graph and anything the host makes the GPU wait for.
+kernels: launch gaps inside a graph and anything the host makes the GPU wait for, told apart
+by their length (``LONG_GAP_US``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ _PARTS = (
     ("memset", "copies and memsets"),
 )
 OTHER = "other (torch ops: embedding, sampling)"
+# Inside a graph consecutive kernels are about a microsecond apart; a longer gap means the
+# GPU waited for something (the host's next launch, a copy).
+LONG_GAP_US = 5.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,17 @@ def device_kernels(prof: Any) -> list[Kernel]:
     ]
     kernels.sort(key=lambda k: k.start_us)
     return kernels
+
+
+def idle_gaps(kernels: Sequence[Kernel]) -> list[float]:
+    """The stretches in which no kernel ran, in order (kernels sorted by start)."""
+    gaps: list[float] = []
+    busy_until = kernels[0].start_us + kernels[0].duration_us
+    for kernel in kernels[1:]:
+        if kernel.start_us > busy_until:
+            gaps.append(kernel.start_us - busy_until)
+        busy_until = max(busy_until, kernel.start_us + kernel.duration_us)
+    return gaps
 
 
 def label_kernels(kernels: Sequence[Kernel], num_layers: int) -> list[str]:
@@ -133,6 +148,7 @@ def breakdown(
         counts[part] = counts.get(part, 0) + 1
     span = max(k.start_us + k.duration_us for k in kernels) - kernels[0].start_us
     busy = sum(totals.values())
+    gaps = idle_gaps(kernels)
     floors = part_floors_us(shape, roof, context_lens) if roof is not None else {}
     rows = [
         {
@@ -150,6 +166,8 @@ def breakdown(
         "step_us": span / steps,
         "busy_us": busy / steps,
         "idle_us": (span - busy) / steps,
+        "long_gaps_us": sum(g for g in gaps if g >= LONG_GAP_US) / steps,
+        "longest_gap_us": max(gaps, default=0.0),
         "parts": rows,
         "floor_us": sum(floors.values()) if floors else None,
     }
@@ -166,6 +184,9 @@ def format_breakdown(title: str, result: dict[str, Any], num_layers: int) -> str
         for p in result["parts"]
     ]
     rows.append(row("idle between kernels", result["idle_us"], None, None))
+    rows.append(
+        row(f"  of it in gaps of {LONG_GAP_US:g} us or more", result["long_gaps_us"], None, None)
+    )
     rows.append(
         row("step (first kernel start to last end)", result["step_us"], None, result["floor_us"])
     )
