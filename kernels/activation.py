@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import load_triton, next_power_of_2, triton_jit, use_triton
+from kernels import pdl
+from kernels.backend import load_triton, next_power_of_2, triton_jit, use_pdl, use_triton
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -25,7 +26,9 @@ def _silu_and_mul_kernel(
     half,
     stride_x_row,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.wait_for_inputs(USE_PDL)
     # Grid (rows, column blocks): a [T, 2 * intermediate] input is read once, gate and up
     # halves side by side, and the product written once. Rows go on axis 0, the only axis
     # whose size is not capped at 65535.
@@ -53,7 +56,18 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     load_triton()
     block = min(1024, next_power_of_2(half))
     grid = (num_rows, -(-half // block))
-    _silu_and_mul_kernel[grid](x2, out, num_rows, half, x2.stride(0), BLOCK=block, num_warps=4)
+    with_pdl = use_pdl(x)
+    _silu_and_mul_kernel[grid](
+        x2,
+        out,
+        num_rows,
+        half,
+        x2.stride(0),
+        BLOCK=block,
+        USE_PDL=with_pdl,
+        num_warps=4,
+        **pdl.launch_options(with_pdl),
+    )
     return out
 
 

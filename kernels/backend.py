@@ -138,3 +138,19 @@ def cdiv(a: int, b: int) -> int:
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (used to size split grids)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    if os.environ.get("TRITON_INTERPRET", "") == "1":
+        return False
+    if os.environ.get("PEGAINFER_PDL", "1") in ("0", "false", "off"):
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def use_pdl(tensor: torch.Tensor) -> bool:
+    """True when Triton kernels on ``tensor``'s device launch with programmatic dependent
+    launch (kernels/pdl.py): a CUDA device of compute capability 9.0 or later, outside
+    Triton's interpreter, unless ``PEGAINFER_PDL=0``."""
+    return tensor.is_cuda and _pdl_supported(tensor.device.index or 0)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import attention_merge
+from kernels import attention_merge, pdl
 from kernels.attention_merge import split_counters
 from kernels.backend import (
     cdiv,
@@ -31,6 +31,7 @@ from kernels.backend import (
     next_power_of_2,
     num_sms,
     triton_jit,
+    use_pdl,
 )
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
@@ -97,14 +98,38 @@ def _decode_split_kernel(
     GROUP_M: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    HEAD_LINES: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # Context lengths and block tables are written before the step's first kernel, never by
+    # the kernel before this one, so they may be read before waiting on it (kernels/pdl.py).
     context_len = tl.load(context_lens_ptr + seq)
     per_split, splits_used = _split_bounds(context_len, max_splits, MIN_SPLIT, BLOCK_N)
     start = split * per_split
     end = tl.minimum(start + per_split, context_len)
+    table_row = block_tables_ptr + seq * stride_table_seq
+    head_offset = kv_head * stride_cache_head
+    if USE_PDL:
+        # The split's first tile of K and V into L2 while the kernel before (the one that
+        # writes this step's key and value) still runs: the dependent chain of context
+        # length, block table and K/V loads then starts from L2.
+        first = start + tl.arange(0, BLOCK_N)
+        first_mask = first < end
+        first_blocks = tl.load(table_row + first // BLOCK_SIZE, mask=first_mask, other=0)
+        first_slots = (
+            first_blocks.to(tl.int64) * stride_cache_block
+            + (first % BLOCK_SIZE) * stride_cache_token
+            + head_offset
+        )
+        lines = first_slots[:, None] + (tl.arange(0, HEAD_LINES) * LINE_ELEMS)[None, :]
+        lines = tl.where(first_mask[:, None], lines, 0)
+        pdl.prefetch_l2(k_cache_ptr + lines)
+        pdl.prefetch_l2(v_cache_ptr + lines)
+    pdl.wait_for_inputs(USE_PDL)
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
@@ -122,8 +147,6 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    table_row = block_tables_ptr + seq * stride_table_seq
-    head_offset = kv_head * stride_cache_head
     # Empty splits (start >= end) skip the loop and leave l_i = 0.
     for block_start in range(start, end, BLOCK_N):
         tokens = block_start + tl.arange(0, BLOCK_N)
@@ -287,6 +310,8 @@ def paged_decode_attention_triton(
         counters = split_counters(num_seqs * num_kv_heads, q.device)
     head_dim_pad = next_power_of_2(head_dim)
     group_pad = max(16, next_power_of_2(group))  # tl.dot wants 16 rows
+    with_pdl = use_pdl(q)
+    line_elems = pdl.L2_LINE_BYTES // k_cache.element_size()
     _decode_split_kernel[(num_seqs, num_kv_heads, max_splits)](
         q,
         k_cache,
@@ -320,8 +345,12 @@ def paged_decode_attention_triton(
         GROUP_M=next_power_of_2(group),
         SPLITS_PAD=max(next_power_of_2(MAX_SPLITS), next_power_of_2(max_splits)),
         MERGE_CHUNK=merge_chunk,
+        USE_PDL=with_pdl,
+        HEAD_LINES=next_power_of_2(cdiv(head_dim, line_elems)),
+        LINE_ELEMS=line_elems,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl.launch_options(with_pdl),
     )
     return out
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import load_triton, next_power_of_2, triton_jit, use_triton
+from kernels import pdl
+from kernels.backend import load_triton, next_power_of_2, triton_jit, use_pdl, use_triton
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -50,7 +51,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.wait_for_inputs(USE_PDL)
     # Rows are addressed as (outer, inner) so a [T, heads, head_dim] view with a token
     # stride wider than heads * head_dim (a slice of the fused qkv) needs no copy.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -115,6 +118,7 @@ def _launch(
     rows_per_program = max(1, min(16, 2048 // block))
     num_warps = 4 if block <= 2048 else 8
     grid = (-(-num_rows // rows_per_program),)
+    with_pdl = use_pdl(x)
     _rms_norm_kernel[grid](
         x3,
         r3,
@@ -132,7 +136,9 @@ def _launch(
         HAS_RESIDUAL=residual is not None,
         ROWS=rows_per_program,
         BLOCK=block,
+        USE_PDL=with_pdl,
         num_warps=num_warps,
+        **pdl.launch_options(with_pdl),
     )
     return out, residual_out
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from kernels import pdl
 from kernels.attention import store_kv_ref
 from kernels.backend import (
     load_triton,
     next_power_of_2,
     triton_jit,
+    use_pdl,
     use_triton,
 )
 from kernels.rmsnorm import rms_norm_ref
@@ -173,7 +175,9 @@ def _rotary_kernel(
     HEAD_DIM: tl.constexpr,
     STORE_KV: tl.constexpr,
     NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.wait_for_inputs(USE_PDL)
     # Grid (tokens, q head groups + 1): programs below the last of a token each rotate
     # Q_HEADS of its q heads; the last rotates its k heads and writes k and v to the cache.
     # Short programs, many of them: a decode batch of a few tokens still spreads over the SMs.
@@ -294,6 +298,7 @@ def _launch_rotary(
     q_norm, k_norm, eps = qk_norm if qk_norm is not None else (q, q, 0.0)
     q_heads_per_program = min(Q_HEADS_PER_PROGRAM, next_power_of_2(num_heads))
     grid = (num_tokens, -(-num_heads // q_heads_per_program) + 1)
+    with_pdl = use_pdl(q)
     _rotary_kernel[grid](
         positions,
         q,
@@ -329,7 +334,9 @@ def _launch_rotary(
         HEAD_DIM=next_power_of_2(head_dim),
         STORE_KV=store,
         NORM=qk_norm is not None,
+        USE_PDL=with_pdl,
         num_warps=4,
+        **pdl.launch_options(with_pdl),
     )
     return q_out, k_out
 
