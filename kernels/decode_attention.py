@@ -99,8 +99,6 @@ def _decode_split_kernel(
     SPLITS_PAD: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr,
-    HEAD_LINES: tl.constexpr,
-    LINE_ELEMS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -113,22 +111,6 @@ def _decode_split_kernel(
     end = tl.minimum(start + per_split, context_len)
     table_row = block_tables_ptr + seq * stride_table_seq
     head_offset = kv_head * stride_cache_head
-    if USE_PDL:
-        # The split's first tile of K and V into L2 while the kernel before (the one that
-        # writes this step's key and value) still runs: the dependent chain of context
-        # length, block table and K/V loads then starts from L2.
-        first = start + tl.arange(0, BLOCK_N)
-        first_mask = first < end
-        first_blocks = tl.load(table_row + first // BLOCK_SIZE, mask=first_mask, other=0)
-        first_slots = (
-            first_blocks.to(tl.int64) * stride_cache_block
-            + (first % BLOCK_SIZE) * stride_cache_token
-            + head_offset
-        )
-        lines = first_slots[:, None] + (tl.arange(0, HEAD_LINES) * LINE_ELEMS)[None, :]
-        lines = tl.where(first_mask[:, None], lines, 0)
-        pdl.prefetch_l2(k_cache_ptr + lines)
-        pdl.prefetch_l2(v_cache_ptr + lines)
     pdl.wait_for_inputs(USE_PDL)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -311,7 +293,6 @@ def paged_decode_attention_triton(
     head_dim_pad = next_power_of_2(head_dim)
     group_pad = max(16, next_power_of_2(group))  # tl.dot wants 16 rows
     with_pdl = use_pdl(q)
-    line_elems = pdl.L2_LINE_BYTES // k_cache.element_size()
     _decode_split_kernel[(num_seqs, num_kv_heads, max_splits)](
         q,
         k_cache,
@@ -346,8 +327,6 @@ def paged_decode_attention_triton(
         SPLITS_PAD=max(next_power_of_2(MAX_SPLITS), next_power_of_2(max_splits)),
         MERGE_CHUNK=merge_chunk,
         USE_PDL=with_pdl,
-        HEAD_LINES=next_power_of_2(cdiv(head_dim, line_elems)),
-        LINE_ELEMS=line_elems,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options(with_pdl),

@@ -28,7 +28,6 @@ from kernels.backend import (
     cdiv,
     dot_needs_fp32,
     load_triton,
-    next_power_of_2,
     triton_jit,
     use_pdl,
     use_triton,
@@ -80,8 +79,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
-    LINES_PER_ROW: tl.constexpr,
-    LINE_ELEMS: tl.constexpr,
 ):
     # Row tiles vary fastest, so programs sharing a weight tile run side by side and all but
     # the first read it from L2. Within a program every row uses each weight tile loaded.
@@ -94,11 +91,6 @@ def _gemv_kernel(
     safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
     safe_features = tl.where(feature_mask, features, 0).to(tl.int64)
     w_rows = w_ptr + safe_features[:, None] * stride_w_row
-    if USE_PDL:
-        # While the kernel before still runs, start this program's weight rows on their
-        # way from DRAM into L2: weights are never written, so no wait is needed for them.
-        line_starts = tl.arange(0, LINES_PER_ROW) * LINE_ELEMS
-        pdl.prefetch_l2(w_rows + tl.where(line_starts < K, line_starts, 0)[None, :])
     pdl.wait_for_inputs(USE_PDL)
     x_rows = x_ptr + safe_rows[:, None] * stride_x_row
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -212,7 +204,6 @@ def linear_triton(
             return out
         grid = (cdiv(num_rows, config.block_m), cdiv(n, config.block_n))
         with_pdl = use_pdl(x)
-        line_elems = pdl.L2_LINE_BYTES // weight.element_size()
         _gemv_kernel[grid](
             x,
             weight,
@@ -230,8 +221,6 @@ def linear_triton(
             BLOCK_K=config.block_k,
             EVEN_K=k % config.block_k == 0,
             USE_PDL=with_pdl,
-            LINES_PER_ROW=next_power_of_2(cdiv(k, line_elems)),
-            LINE_ELEMS=line_elems,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
             **pdl.launch_options(with_pdl),

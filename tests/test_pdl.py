@@ -147,7 +147,9 @@ def _attention_chain(state: dict[str, torch.Tensor], steps: int) -> torch.Tensor
             state["v_cache"],
             state["block_tables"],
             state["context_lens"] + step,
+            state["query_start_loc"],
             head_dim**-0.5,
+            max_query_len=1,
             max_context_len=state["block_tables"].shape[1] * state["k_cache"].shape[1],
         )
         out = linear(attn.reshape(attn.shape[0], num_heads * head_dim), state["o_weight"])
@@ -167,8 +169,10 @@ def test_attention_chain_same_with_and_without_pdl(pdl_switch, graph, context):
     table = torch.randperm(num_blocks, generator=g, device=device)[:blocks_per_seq]
     positions = torch.tensor([context], device=device)
     slots = torch.stack(
-        [table[(context + s) // block_size] * block_size + (context + s) % block_size]
-        for s in range(steps)
+        [
+            table[(context + s) // block_size] * block_size + (context + s) % block_size
+            for s in range(steps)
+        ]
     ).view(steps, 1)
     angles = torch.outer(torch.arange(4096.0, device=device), torch.rand(64, device=device))
 
@@ -191,6 +195,7 @@ def test_attention_chain_same_with_and_without_pdl(pdl_switch, graph, context):
             "slots": slots,
             "block_tables": table[None, :].int(),
             "context_lens": torch.tensor([context + 1], device=device, dtype=torch.int32),
+            "query_start_loc": torch.tensor([0, 1], device=device, dtype=torch.int32),
         }
 
     outputs = {}
