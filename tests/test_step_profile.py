@@ -134,6 +134,25 @@ def test_long_gaps_are_told_apart_from_launch_gaps():
     assert "gaps of 5 us or more" in format_breakdown("t", result, SHAPE.num_layers)
 
 
+def test_overlapping_kernels_are_charged_from_the_end_of_the_one_before():
+    # With programmatic dependent launch a kernel starts 2 us before the one before ends and
+    # waits for it: the parts and the idle still tile the step, the overlap is shown apart.
+    kernels = step_kernels(steps=1, gap_us=0.5)
+    overlapped = [kernels[0]] + [
+        Kernel(k.name, k.start_us - 2.5, k.duration_us + 2.5) for k in kernels[1:]
+    ]
+    plain = breakdown(kernels, 1, SHAPE, ROOF)
+    result = breakdown(overlapped, 1, SHAPE, ROOF)
+    assert result["step_us"] == pytest.approx(plain["step_us"])
+    assert result["busy_us"] == pytest.approx(plain["busy_us"] + 0.5 * (len(kernels) - 1))
+    assert result["idle_us"] == pytest.approx(0.0)
+    assert result["overlap_us"] == pytest.approx(2.0 * (len(kernels) - 1))
+    assert result["busy_us"] + result["idle_us"] == pytest.approx(result["step_us"])
+    assert all(p["us_per_step"] >= 0 for p in result["parts"])
+    assert "overlapping the kernel before" in format_breakdown("t", result, SHAPE.num_layers)
+    assert "overlapping" not in format_breakdown("t", plain, SHAPE.num_layers)
+
+
 def test_an_empty_window_is_an_error():
     with pytest.raises(ValueError, match="no device kernels"):
         breakdown([], 1, SHAPE, ROOF)

@@ -14,6 +14,11 @@ The window must hold only whole decode steps of one batch (``profile_full_decode
 to the last kernel's end over the steps; what the kernels do not cover is the GPU idle between
 kernels: launch gaps inside a graph and anything the host makes the GPU wait for, told apart
 by their length (``LONG_GAP_US``).
+
+Kernels launched with programmatic dependent launch (kernels/pdl.py) start before the kernel
+before them ends and wait for it. So that the parts and the idle time still add up to the
+step, each kernel is charged only from the later of its start and the end of every kernel
+before it; the time it spent alongside its predecessor is reported as overlap.
 """
 
 from __future__ import annotations
@@ -90,6 +95,18 @@ def idle_gaps(kernels: Sequence[Kernel]) -> list[float]:
     return gaps
 
 
+def exclusive_times(kernels: Sequence[Kernel]) -> list[float]:
+    """Each kernel's time from the later of its start and the end of every kernel before it
+    to its end (zero for one wholly inside another); with the idle gaps they tile the span."""
+    times: list[float] = []
+    busy_until = kernels[0].start_us if kernels else 0.0
+    for kernel in kernels:
+        end = kernel.start_us + kernel.duration_us
+        times.append(max(0.0, end - max(kernel.start_us, busy_until)))
+        busy_until = max(busy_until, end)
+    return times
+
+
 def label_kernels(kernels: Sequence[Kernel], num_layers: int) -> list[str]:
     """Each kernel's part; GEMM runs named by their place in the step where they fit."""
     parts = [kernel_part(k.name) for k in kernels]
@@ -143,11 +160,12 @@ def breakdown(
     parts = label_kernels(kernels, shape.num_layers)
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
-    for kernel, part in zip(kernels, parts):
-        totals[part] = totals.get(part, 0.0) + kernel.duration_us
+    for part, charged in zip(parts, exclusive_times(kernels)):
+        totals[part] = totals.get(part, 0.0) + charged
         counts[part] = counts.get(part, 0) + 1
     span = max(k.start_us + k.duration_us for k in kernels) - kernels[0].start_us
     busy = sum(totals.values())
+    overlap = sum(k.duration_us for k in kernels) - busy
     gaps = idle_gaps(kernels)
     floors = part_floors_us(shape, roof, context_lens) if roof is not None else {}
     rows = [
@@ -166,6 +184,7 @@ def breakdown(
         "step_us": span / steps,
         "busy_us": busy / steps,
         "idle_us": (span - busy) / steps,
+        "overlap_us": overlap / steps,
         "long_gaps_us": sum(g for g in gaps if g >= LONG_GAP_US) / steps,
         "longest_gap_us": max(gaps, default=0.0),
         "parts": rows,
@@ -184,6 +203,10 @@ def format_breakdown(title: str, result: dict[str, Any], num_layers: int) -> str
         for p in result["parts"]
     ]
     rows.append(row("idle between kernels", result["idle_us"], None, None))
+    if result.get("overlap_us", 0.0) > 0.0:
+        rows.append(
+            row("(kernel time overlapping the kernel before)", result["overlap_us"], None, None)
+        )
     rows.append(
         row(f"  of it in gaps of {LONG_GAP_US:g} us or more", result["long_gaps_us"], None, None)
     )
