@@ -6,9 +6,16 @@ it did not time take the nearest measured rule below. The one-row GEMV beats cuB
 Qwen3-4B projection (by 8-26%); from two rows up the tensor-core kernel only ties it, or
 loses, so ``kernels.linear`` hands everything past ``MAX_TRITON_ROWS`` rows to cuBLAS. The
 "dot" rules stay for ``tools/tune_linear.py`` to keep measuring that choice.
+
+``PEGAINFER_LINEAR_TILES`` replaces the one-row GEMV tile of given shapes, so that a tile
+``tune_linear`` found can be tried in a whole decode step before it becomes a rule here:
+``"N,K=block_n,block_k,num_warps[,num_stages];..."``, e.g. ``"2560,4096=4,2048,8"``.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 from kernels.backend import cdiv
 from kernels.linear import LinearConfig
@@ -22,7 +29,33 @@ _WIDE_N = 4096
 _TARGET_PROGRAMS = 264
 
 
+@functools.cache
+def gemv_tile_overrides(spec: str) -> dict[tuple[int, int], LinearConfig]:
+    """Parse a ``PEGAINFER_LINEAR_TILES`` value (see the module docstring)."""
+    overrides: dict[tuple[int, int], LinearConfig] = {}
+    for entry in filter(None, (part.strip() for part in spec.split(";"))):
+        try:
+            shape, tile = entry.split("=")
+            n, k = (int(v) for v in shape.split(","))
+            block_n, block_k, warps, *stages = (int(v) for v in tile.split(","))
+            if len(stages) > 1:
+                raise ValueError("too many fields")
+        except ValueError as exc:
+            raise ValueError(
+                f"PEGAINFER_LINEAR_TILES entry {entry!r}: want N,K=block_n,block_k,num_warps"
+                f"[,num_stages] ({exc})"
+            ) from None
+        overrides[(n, k)] = LinearConfig(
+            "gemv", block_n, block_k, warps, num_stages=stages[0] if stages else 3
+        )
+    return overrides
+
+
 def pick_config(num_rows: int, n: int, k: int) -> LinearConfig:
+    if num_rows == 1:
+        override = gemv_tile_overrides(os.environ.get("PEGAINFER_LINEAR_TILES", "")).get((n, k))
+        if override is not None:
+            return override
     if num_rows <= 2:
         if num_rows == 1:
             block_k = 1024 if k >= 4096 else 512

@@ -89,3 +89,19 @@ def test_dispatch_rules():
         big = torch.zeros(MAX_TRITON_ROWS + 1, 8, dtype=torch.bfloat16, device=DEVICE)
         assert not triton_handles(big, wg)  # many rows: cuBLAS
         assert not triton_handles(xg.float(), wg.float())  # float32: cuBLAS
+
+
+def test_one_row_tiles_can_be_overridden_from_the_environment(monkeypatch):
+    from kernels.linear_configs import gemv_tile_overrides
+
+    monkeypatch.setenv("PEGAINFER_LINEAR_TILES", "48,64=8,32,2; 16,64=2,64,4,2")
+    assert pick_config(1, 48, 64) == LinearConfig("gemv", 8, 32, 2)
+    assert pick_config(1, 16, 64) == LinearConfig("gemv", 2, 64, 4, num_stages=2)
+    assert pick_config(1, 48, 128) == LinearConfig("gemv", 4, 512, 2)  # other shapes: the rules
+    assert pick_config(2, 48, 64).block_k == 512  # and other row counts
+    x, weight, _ = _inputs(1, 48, 64, torch.bfloat16, 5, False)
+    with poisoned():
+        out = linear_triton(x, weight)  # the overridden tile
+    check(out, linear_ref(x.float(), weight.float()).to(torch.bfloat16), "overridden tile")
+    with pytest.raises(ValueError, match="PEGAINFER_LINEAR_TILES entry"):
+        gemv_tile_overrides("48,64=8,32")
