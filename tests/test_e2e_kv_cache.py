@@ -88,7 +88,12 @@ def _run_workload(server: Server) -> list[list[int]]:
 
 
 def _finished_lines(server: Server) -> dict[str, tuple[int, ...]]:
-    """Request id -> (prompt, completion, computed prompt, cached, preemptions)."""
+    """Request id -> (prompt, completion, computed prompt, cached, preemptions).
+
+    Read once the server has stopped: the scheduler logs a request's end after its last
+    token is on its way to the client, so a client can hold every answer before the last
+    line is written.
+    """
     return {
         m.group(1): tuple(int(g) for g in m.groups()[1:]) for m in _FINISHED.finditer(server.log())
     }
@@ -138,9 +143,9 @@ def test_outputs_do_not_depend_on_kv_cache_management(
         outputs = _run_workload(server)
         # Prefix caching: the same workload again is served from the cache, same tokens.
         again = _run_workload(server) if "--no-prefix-cache" not in args else outputs
-        finished = _finished_lines(server)
     finally:
         _stop(server)
+    finished = _finished_lines(server)
     for index, (got, want) in enumerate(zip(outputs, reference)):
         assert got == want, f"{name}: request {index} differs from the reference"
     assert again == reference, f"{name}: the repeated workload differs from the reference"
@@ -167,9 +172,9 @@ def test_prefix_cache_hit_is_reported_and_saves_prefill(tiny_qwen3_dir: str, tmp
         status, error = server.post("/v1/completions", {"prompt": prefix, "max_tokens": 10_000})
         # ... and the server goes on serving.
         third = _complete(server, first_prompt, max_tokens=2)
-        finished = _finished_lines(server)
     finally:
         _stop(server)
+    finished = _finished_lines(server)
     assert status == 400 and error["error"]["type"] == "invalid_request_error"
 
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -190,9 +195,9 @@ def test_prefix_cache_hit_is_reported_and_saves_prefill(tiny_qwen3_dir: str, tmp
     try:
         _complete(server, first_prompt, max_tokens=2)
         second_off = _complete(server, second_prompt, max_tokens=2)
-        finished = _finished_lines(server)
     finally:
         _stop(server)
+    finished = _finished_lines(server)
     assert second_off["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert finished[second_off["id"] + "-0"][2:4] == (204, 0)
     assert second_off["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
