@@ -86,6 +86,26 @@ def test_gemm_runs_are_named_by_their_place_in_the_step():
     assert GEMM not in parts
 
 
+def test_fused_gemvs_end_their_projection():
+    # One row, fused: qkv, rotary, attention, then o+norm, gate_up+silu and down+norm back to
+    # back, the last down+norm (the final norm) right before the LM head.
+    layer = [
+        ("_gemv_kernel", 8.0),
+        ("_rotary_kernel", 2.0),
+        ("_decode_split_kernel", 5.0),
+        ("_gemv_add_rms_norm_kernel", 7.0),
+        ("_gemv_silu_and_mul_kernel", 25.0),
+        ("_gemv_add_rms_norm_kernel", 14.0),
+    ]
+    kernels, clock = [], 0.0
+    for name, duration in [("_rms_norm_kernel", 2.0)] + layer * 2 + [("_gemv_kernel", 40.0)]:
+        kernels.append(Kernel(name, clock, duration))
+        clock += duration + 0.5
+    parts = label_kernels(kernels, SHAPE.num_layers)
+    gemms = [p for k, p in zip(kernels, parts) if kernel_part(k.name) == GEMM]
+    assert gemms == ["qkv", "o", "gate_up", "down"] * 2 + [LM_HEAD]
+
+
 def test_runs_that_do_not_fit_the_step_stay_unnamed():
     # Two layers' kernels profiled as if the model had three: no place can be trusted.
     kernels = step_kernels(steps=2)

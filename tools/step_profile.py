@@ -35,6 +35,9 @@ LM_HEAD = "lm_head"
 GEMM = "gemm"
 # Substrings (lower case) of cuBLAS/CUTLASS kernel names and of the Triton linear kernels.
 _GEMM_MARKERS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce", "_skinny_gemm")
+# Fused one-row GEMVs (kernels/linear_fused.py) end in their epilogue: the GEMM after one
+# is the next projection even with no other kernel between them.
+_RUN_ENDING_MARKERS = ("_gemv_silu_and_mul", "_gemv_add_rms_norm")
 _PARTS = (
     ("_decode_split_kernel", "decode attention"),
     ("_prefill_kernel", "prefill attention"),
@@ -117,7 +120,9 @@ def label_kernels(kernels: Sequence[Kernel], num_layers: int) -> list[str]:
             if not previous_gemm:
                 runs.append([])
             runs[-1].append(i)
-        previous_gemm = part == GEMM
+        previous_gemm = part == GEMM and not any(
+            marker in kernels[i].name.lower() for marker in _RUN_ENDING_MARKERS
+        )
     per_step = len(PROJECTIONS) * num_layers + 1
     if runs and len(runs) % per_step == 0:
         for n, run in enumerate(runs):

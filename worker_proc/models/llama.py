@@ -17,7 +17,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from worker_proc.layers.activation import SiluAndMul
 from worker_proc.layers.attention import Attention
 from worker_proc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_proc.layers.linear import (
@@ -61,13 +60,21 @@ class LlamaAttention(nn.Module):
         before rope return ``(q weight, k weight, eps)``."""
         return None
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+        norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(attention + residual), attention + residual)``: the residual add and
+        the norm after the attention end the o projection."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Rotary embedding (and any q/k norm) is applied inside the attention layer, fused
         # with the KV write.
         out = self.attn(q, k, v, positions, self.rotary_emb, self.qk_norm())
-        return self.o_proj(out)
+        return self.o_proj.forward_add_rms_norm(out, residual, norm)
 
 
 class LlamaMLP(nn.Module):
@@ -81,10 +88,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
-        self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(next_norm(mlp + residual), mlp + residual)``: the activation ends the gate/up
+        projection, and the residual add and the next layer's norm end the down one."""
+        activated = self.gate_up_proj.forward_silu_and_mul(x)
+        return self.down_proj.forward_add_rms_norm(activated, residual, next_norm)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -101,17 +112,17 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
+        residual: torch.Tensor,
+        next_norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of each sublayer is fused into the norm that follows it.
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        """``hidden_states`` arrive normed by this layer's ``input_layernorm``; the layer
+        returns its output normed by ``next_norm`` (the next layer's input norm, or the
+        model's final one), and the residual stream. Each sublayer's residual add and the
+        norm after it are fused into its last projection."""
+        hidden_states, residual = self.self_attn(
+            positions, hidden_states, residual, self.post_attention_layernorm
+        )
+        return self.mlp(hidden_states, residual, next_norm)
 
 
 class LlamaModel(nn.Module):
@@ -133,11 +144,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
+        residual = self.embed_tokens(input_ids)
+        hidden_states = self.layers[0].input_layernorm(residual)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, next_norms):
+            hidden_states, residual = layer(positions, hidden_states, residual, next_norm)
         return hidden_states
 
 
