@@ -1,21 +1,20 @@
-"""One-row linear layers fused with the kernel that follows them in a decoder layer.
+"""The one-row gate/up projection fused with the silu-and-mul that follows it.
 
 Batch-1 decode is a chain of short kernels, and each boundary between two costs the GPU a
-drain and a ramp even with programmatic dependent launch. Two of every layer's small
-kernels fold into the GEMV before them:
+drain and a ramp even with programmatic dependent launch. ``linear_silu_and_mul`` writes
+``silu(gate) * up`` straight from the gate/up GEMV: each program owns ``BLOCK_N`` output
+features and reads their gate and up weight rows (``i`` and ``i + intermediate`` of the
+fused ``[gate | up]`` weight), as many rows as the plain GEMV's tile, so the epilogue has
+both halves. The projection is rounded to the activation dtype before the epilogue, as the
+separate kernels see it. Other row counts (cuBLAS), CPU tensors and
+``PEGAINFER_FUSED_GEMV=0`` run the two steps separately; the reference is those two
+steps' references.
 
-- ``linear_silu_and_mul``: the gate/up projection writes ``silu(gate) * up`` directly. Each
-  program owns ``BLOCK_N`` output features and reads their gate and up weight rows (``i``
-  and ``i + intermediate`` of the fused ``[gate | up]`` weight), so the epilogue has both.
-- ``linear_add_rms_norm``: the o and down projections end with the residual add and the
-  RMSNorm that follows them. The norm needs the whole output row, so every program stores
-  its features and counts in at an arrival counter; the last one to arrive adds the
-  residual and norms the row (a 2,560-wide row is one program's work).
-
-Both round the projection's output to the activation dtype before the epilogue, exactly as
-the separate kernels see it, so fused and unfused results agree to the reduction order.
-Other row counts (cuBLAS), CPU tensors and ``PEGAINFER_FUSED_GEMV=0`` run the two steps
-separately; the references are those two steps' references.
+Measured against, and not used: the residual add and RMSNorm ending the o and down GEMVs,
+done by the last of their 1,280 programs to count in at an arrival counter. On an H200
+(``bench_latency --contexts 128,4096``, alternated with both fusions off) a batch-1 step
+took 2.86 ms against 2.70 at context 128 and 3.13 against 2.97 at 4k: the 1,280 atomics on
+one counter serialize, about 3-6 us a projection, more than the norm kernel they replace.
 """
 
 from __future__ import annotations
@@ -24,12 +23,10 @@ import os
 
 import torch
 
-from kernels import attention_merge, pdl
+from kernels import pdl
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.attention_merge import split_counters
-from kernels.backend import cdiv, load_triton, next_power_of_2, triton_jit, use_pdl
+from kernels.backend import cdiv, load_triton, triton_jit, use_pdl
 from kernels.linear import linear, linear_ref, triton_handles
-from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -37,17 +34,6 @@ tl = None  # bound to triton.language by kernels.backend.load_triton()
 def linear_silu_and_mul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``[gate | up] = x @ weight.T``."""
     return silu_and_mul_ref(linear_ref(x, weight))
-
-
-def linear_add_rms_norm_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x @ weight.T + residual), x @ weight.T + residual)``."""
-    return fused_add_rms_norm_ref(linear_ref(x, weight), residual, norm_weight, eps)
 
 
 @triton_jit
@@ -91,51 +77,6 @@ def _gemv_silu_and_mul_kernel(
     up = _row_dot(x_ptr, up_rows, K, BLOCK_N, BLOCK_K, EVEN_K)
     silu = gate / (1.0 + tl.exp(-gate))
     tl.store(out_ptr + features, (silu * up).to(out_ptr.dtype.element_ty), mask=feature_mask)
-
-
-@triton_jit
-def _gemv_add_rms_norm_kernel(
-    x_ptr,
-    w_ptr,
-    projected_ptr,
-    residual_ptr,
-    residual_out_ptr,
-    out_ptr,
-    norm_weight_ptr,
-    counter_ptr,
-    N,
-    K,
-    stride_w_row,
-    eps,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    feature_mask = features < N
-    safe_features = tl.where(feature_mask, features, 0).to(tl.int64)
-    w_rows = w_ptr + safe_features[:, None] * stride_w_row
-    pdl.wait_for_inputs(USE_PDL)
-    projected = _row_dot(x_ptr, w_rows, K, BLOCK_N, BLOCK_K, EVEN_K)
-    tl.store(
-        projected_ptr + features, projected.to(projected_ptr.dtype.element_ty), mask=feature_mask
-    )
-    if attention_merge.arrive_last(counter_ptr, tl.num_programs(0)):
-        cols = tl.arange(0, ROW_BLOCK)
-        col_mask = cols < N
-        # .cg: the other programs' stores are read from L2, never from a stale L1 line.
-        row = tl.load(projected_ptr + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
-        residual = tl.load(residual_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        summed = (row.to(tl.float32) + residual).to(residual_out_ptr.dtype.element_ty)
-        tl.store(residual_out_ptr + cols, summed, mask=col_mask)
-        summed32 = summed.to(tl.float32)
-        inv_rms = 1.0 / tl.sqrt(tl.sum(summed32 * summed32, axis=0) / N + eps)
-        norm_weight = tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        normed = summed32 * inv_rms * norm_weight
-        tl.store(out_ptr + cols, normed.to(out_ptr.dtype.element_ty), mask=col_mask)
-        tl.store(counter_ptr, 0)  # ready for the next launch (or graph replay)
 
 
 def _fused_tile(n: int, k: int) -> tuple[int, int, int, int]:
@@ -183,65 +124,7 @@ def linear_silu_and_mul_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.T
     return out
 
 
-def linear_add_rms_norm_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    k = x.shape[-1]
-    n = weight.shape[0]
-    if weight.shape[1] != k or weight.stride(-1) != 1:
-        raise ValueError(f"weight {tuple(weight.shape)} does not take {k} features")
-    if tuple(residual.shape) != (1, n):
-        raise ValueError(f"residual {tuple(residual.shape)} is not one row of {n}")
-    x = x.contiguous()
-    residual = residual.contiguous()
-    projected = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(projected)
-    out = torch.empty_like(projected)
-    block_n, block_k, num_warps, num_stages = _fused_tile(n, k)
-    load_triton()
-    with_pdl = use_pdl(x)
-    _gemv_add_rms_norm_kernel[(cdiv(n, block_n),)](
-        x,
-        weight,
-        projected,
-        residual,
-        residual_out,
-        out,
-        norm_weight,
-        split_counters(1, x.device),
-        n,
-        k,
-        weight.stride(0),
-        eps,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0,
-        ROW_BLOCK=next_power_of_2(n),
-        USE_PDL=with_pdl,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **pdl.launch_options(with_pdl),
-    )
-    return out, residual_out
-
-
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if fusion_enabled(x, weight):
         return linear_silu_and_mul_triton(x, weight)
     return silu_and_mul(linear(x, weight))
-
-
-def linear_add_rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if fusion_enabled(x, weight):
-        return linear_add_rms_norm_triton(x, weight, residual, norm_weight, eps)
-    return fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps)

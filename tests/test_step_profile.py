@@ -86,19 +86,20 @@ def test_gemm_runs_are_named_by_their_place_in_the_step():
     assert GEMM not in parts
 
 
-def test_fused_gemvs_end_their_projection():
-    # One row, fused: qkv, rotary, attention, then o+norm, gate_up+silu and down+norm back to
-    # back, the last down+norm (the final norm) right before the LM head.
+def test_the_fused_gate_up_gemv_ends_its_projection():
+    # One row: gate_up's GEMV ends in silu-and-mul, and down's GEMV follows it directly.
     layer = [
+        ("_rms_norm_kernel", 2.0),
         ("_gemv_kernel", 8.0),
         ("_rotary_kernel", 2.0),
         ("_decode_split_kernel", 5.0),
-        ("_gemv_add_rms_norm_kernel", 7.0),
+        ("_gemv_kernel", 7.0),
+        ("_rms_norm_kernel", 2.0),
         ("_gemv_silu_and_mul_kernel", 25.0),
-        ("_gemv_add_rms_norm_kernel", 14.0),
+        ("_gemv_kernel", 14.0),
     ]
     kernels, clock = [], 0.0
-    for name, duration in [("_rms_norm_kernel", 2.0)] + layer * 2 + [("_gemv_kernel", 40.0)]:
+    for name, duration in layer * 2 + [("_rms_norm_kernel", 2.0), ("_gemv_kernel", 40.0)]:
         kernels.append(Kernel(name, clock, duration))
         clock += duration + 0.5
     parts = label_kernels(kernels, SHAPE.num_layers)

@@ -35,9 +35,9 @@ LM_HEAD = "lm_head"
 GEMM = "gemm"
 # Substrings (lower case) of cuBLAS/CUTLASS kernel names and of the Triton linear kernels.
 _GEMM_MARKERS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce", "_skinny_gemm")
-# Fused one-row GEMVs (kernels/linear_fused.py) end in their epilogue: the GEMM after one
-# is the next projection even with no other kernel between them.
-_RUN_ENDING_MARKERS = ("_gemv_silu_and_mul", "_gemv_add_rms_norm")
+# The one-row gate/up GEMV ends in its silu-and-mul epilogue (kernels/linear_fused.py): the
+# GEMM right after it is the down projection.
+_RUN_ENDING_MARKERS = ("_gemv_silu_and_mul",)
 _PARTS = (
     ("_decode_split_kernel", "decode attention"),
     ("_prefill_kernel", "prefill attention"),

@@ -14,8 +14,6 @@ range from the file. A plain tensor works the same.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
@@ -27,9 +25,6 @@ from worker_proc.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from worker_proc.weight_slice import WeightSlice, read_whole
-
-if TYPE_CHECKING:
-    from worker_proc.layers.norm import RMSNorm
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -192,16 +187,6 @@ class RowParallelLinear(nn.Module):
         loaded = loaded_weight.narrow(1, self.tp_rank * shard, shard)
         _check_shape(param, loaded, type(self).__name__)
         param.data.copy_(loaded)
-
-    def forward_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(self(x) + residual), self(x) + residual)``, the add and the norm fused
-        into the projection where the kernels can (one rank, so no all-reduce between them,
-        and no bias)."""
-        if self.tp_size > 1 or self.bias is not None or not self.reduce_results:
-            return norm(self(x), residual)
-        return kernels.linear_add_rms_norm(x, self.weight, residual, norm.weight, norm.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = kernels.linear(x, self.weight)

@@ -60,21 +60,13 @@ class LlamaAttention(nn.Module):
         before rope return ``(q weight, k weight, eps)``."""
         return None
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor,
-        norm: RMSNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(attention + residual), attention + residual)``: the residual add and
-        the norm after the attention end the o projection."""
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Rotary embedding (and any q/k norm) is applied inside the attention layer, fused
         # with the KV write.
         out = self.attn(q, k, v, positions, self.rotary_emb, self.qk_norm())
-        return self.o_proj.forward_add_rms_norm(out, residual, norm)
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -89,13 +81,9 @@ class LlamaMLP(nn.Module):
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(next_norm(mlp + residual), mlp + residual)``: the activation ends the gate/up
-        projection, and the residual add and the next layer's norm end the down one."""
-        activated = self.gate_up_proj.forward_silu_and_mul(x)
-        return self.down_proj.forward_add_rms_norm(activated, residual, next_norm)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # silu(gate) * up ends the gate/up projection.
+        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -112,17 +100,17 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor,
-        next_norm: RMSNorm,
+        residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``hidden_states`` arrive normed by this layer's ``input_layernorm``; the layer
-        returns its output normed by ``next_norm`` (the next layer's input norm, or the
-        model's final one), and the residual stream. Each sublayer's residual add and the
-        norm after it are fused into its last projection."""
-        hidden_states, residual = self.self_attn(
-            positions, hidden_states, residual, self.post_attention_layernorm
-        )
-        return self.mlp(hidden_states, residual, next_norm)
+        # The residual add of each sublayer is fused into the norm that follows it.
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -144,11 +132,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        residual = self.embed_tokens(input_ids)
-        hidden_states = self.layers[0].input_layernorm(residual)
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, next_norm in zip(self.layers, next_norms):
-            hidden_states, residual = layer(positions, hidden_states, residual, next_norm)
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 
