@@ -227,6 +227,28 @@ def test_bench_latency(micro_dir, tmp_path):
     assert "context 40" in stderr  # the progress bar
 
 
+def test_bench_ab_alternates_bench_latency_variants(micro_dir, tmp_path):
+    stdout, _ = run_tool(
+        "bench_ab",
+        "--variant", "default:",
+        "--variant", "quiet:PEGAINFER_PROGRESS=0",
+        "--rounds", "1",
+        "--out", str(tmp_path),
+        "--",
+        sys.executable, "-m", "tools.bench_latency",
+        "--model-path", micro_dir, "--device", "cpu", "--contexts", "8",
+        "--steps", "4", "--warmup-steps", "1",
+    )  # fmt: skip
+    payload = outputs(tmp_path, "ab")
+    runs = payload["measured"]
+    assert set(runs) == {"default", "quiet"}
+    for rounds in runs.values():
+        ((context, ms),) = rounds[0]
+        assert context == 8 and ms > 0
+    assert (tmp_path / "default-r1" / "latency.json").exists()
+    assert "quiet / default" in stdout
+
+
 def test_bench_throughput_server_with_hf_baseline(micro_dir, tmp_path):
     stdout, _ = run_tool(
         "bench_throughput",
