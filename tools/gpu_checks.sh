@@ -7,6 +7,8 @@
 #   bash tools/gpu_checks.sh bench    # latency and throughput with step profiles, HF baseline,
 #                                     # kernels, linear layers, prefix TTFT
 #   bash tools/gpu_checks.sh serve    # startup time and memory, online serving load
+#   bash tools/gpu_checks.sh ab VAR   # batch-1 latency with VAR=0 against the default,
+#                                     # alternated (e.g. PEGAINFER_FUSED_GEMV, PEGAINFER_PDL)
 #
 # Benchmarks use a Qwen3-4B-shaped checkpoint with random weights, written once to CKPT_DIR.
 set -u
@@ -65,6 +67,13 @@ serve)
   step bench_serving python3 -m tools.bench_serving --launch --model-path "$ckpt" \
     --request-rate 32 --num-prompts 200 --input-len 1024 --input-len-range 0.5 --output-len 128 \
     --out "$out/serving"
+  ;;
+ab)
+  var="${2:?ab needs the environment variable to turn off, e.g. PEGAINFER_FUSED_GEMV}"
+  need_checkpoint
+  step "ab_$var" python3 -m tools.bench_ab --variant "off:$var=0" --variant on: --rounds 2 \
+    --out "$out/ab_$var" -- python3 -m tools.bench_latency --model-path "$ckpt" \
+    --contexts 128,4096 --steps 128
   ;;
 *)
   echo "unknown stage $stage" >&2
