@@ -82,7 +82,7 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # silu(gate) * up ends the gate/up projection.
+        # At one decode row the activation is the gate/up GEMV's epilogue: one kernel less.
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 
