@@ -1,31 +1,38 @@
 """Which Triton linear kernel and tile run for ``rows x K @ K x N`` (see kernels/linear.py).
 
-The choices come from ``python -m tools.tune_linear`` on an H200 (bf16), which times every
-candidate inside a CUDA graph with the weights cycled so that none is served from L2. Shapes
-it did not time take the nearest measured rule below. The one-row GEMV beats cuBLAS on every
-Qwen3-4B projection (by 8-26%); from two rows up the tensor-core kernel only ties it, or
-loses, so ``kernels.linear`` hands everything past ``MAX_TRITON_ROWS`` rows to cuBLAS. The
-"dot" rules stay for ``tools/tune_linear.py`` to keep measuring that choice.
+One row takes the GEMV, whose tiles below come from ``python -m tools.tune_linear`` on an
+H200 (bf16), timed inside a CUDA graph with the weights cycled so that none is served from
+L2; it beats cuBLAS on every Qwen3-4B projection. ``PEGAINFER_LINEAR_TILES`` replaces the
+one-row tile of given shapes, so that a tile ``tune_linear`` found can be tried in a whole
+decode step before it becomes a rule here: ``"N,K=block_n,block_k,num_warps[,num_stages];..."``,
+e.g. ``"2560,4096=4,2048,8"``.
 
-``PEGAINFER_LINEAR_TILES`` replaces the one-row GEMV tile of given shapes, so that a tile
-``tune_linear`` found can be tried in a whole decode step before it becomes a rule here:
-``"N,K=block_n,block_k,num_warps[,num_stages];..."``, e.g. ``"2560,4096=4,2048,8"``.
+2-64 rows take the skinny GEMM (kernels/skinny_gemm.py) or cuBLAS, per shape, from a table
+that ``tune_linear --emit-table`` writes for one kind of GPU: ``linear_tables/<GPU name>.json``
+beside this file, keyed by the padded row count (16, 32, 64), N, K and whether silu-and-mul
+is fused. ``PEGAINFER_LINEAR_TABLE=PATH`` reads another table (to try a fresh sweep in whole
+steps), and ``PEGAINFER_SKINNY_GEMM=0`` sends every 2-64-row projection to cuBLAS. A shape
+the table lacks takes the rule in ``skinny_rule`` up to 32 rows on a GPU of compute
+capability 9.0 or later, and cuBLAS otherwise: on the H200 the skinny GEMM won every
+Qwen3-4B projection at 8 and 32 rows (by 3-15%) but lost the narrow ones at 64 (by 20-30%,
+each program then re-reads 64 rows of activations from L2 per weight tile).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
+from pathlib import Path
+from typing import Any
 
 from kernels.backend import cdiv
 from kernels.linear import LinearConfig
+from kernels.skinny_gemm import MAX_ROWS, block_rows
 
-MAX_TRITON_ROWS = 1
-
-# Output features from which a projection counts as wide (qkv, gate_up, lm_head at 4B) rather
-# than narrow (o, down: N = hidden), for which a split over K is needed to fill the GPU.
-_WIDE_N = 4096
-# Programs a narrow projection is split over K to reach: about two per SM on a 132-SM part.
+MAX_TRITON_ROWS = MAX_ROWS
+TABLE_DIR = Path(__file__).with_name("linear_tables")
+# Programs the skinny rule splits K to reach: two per SM on a 132-SM part.
 _TARGET_PROGRAMS = 264
 
 
@@ -51,33 +58,92 @@ def gemv_tile_overrides(spec: str) -> dict[tuple[int, int], LinearConfig]:
     return overrides
 
 
-def pick_config(num_rows: int, n: int, k: int) -> LinearConfig:
-    if num_rows == 1:
-        override = gemv_tile_overrides(os.environ.get("PEGAINFER_LINEAR_TILES", "")).get((n, k))
-        if override is not None:
-            return override
-    if num_rows <= 2:
-        if num_rows == 1:
-            block_k = 1024 if k >= 4096 else 512
-            block_n = 2 if block_k == 1024 else 4
-        else:
-            block_k, block_n = 512, 4
-        warps = 4 if block_k >= 1024 else 2
-        return LinearConfig("gemv", block_n, block_k, warps)
-    block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
-    wide = n >= _WIDE_N
-    block_n = 64 if wide or block_m == 16 else 32
-    stages = 5 if wide and block_m != 32 else 3
-    tiles = cdiv(n, block_n) * cdiv(num_rows, block_m)
+def gemv_config(n: int, k: int) -> LinearConfig:
+    """The one-row GEMV tile of an ``N x K`` weight."""
+    override = gemv_tile_overrides(os.environ.get("PEGAINFER_LINEAR_TILES", "")).get((n, k))
+    if override is not None:
+        return override
+    block_k = 1024 if k >= 4096 else 512
+    block_n = 2 if block_k == 1024 else 4
+    return LinearConfig("gemv", block_n, block_k, 4 if block_k >= 1024 else 2)
+
+
+def skinny_rule(num_rows: int, n: int, k: int, silu_mul: bool = False) -> LinearConfig:
+    """The skinny GEMM's tile for a shape no table holds: 64 features by 128 of K, split
+    over K until about two programs per SM, each split at least four K steps long."""
+    block_n, block_k = 64, 128
+    tiles = cdiv(n // 2 if silu_mul else n, block_n)
     split_k = 1
-    while not wide and tiles * split_k < _TARGET_PROGRAMS and cdiv(k, 128) >= split_k * 8:
+    while tiles * split_k < _TARGET_PROGRAMS and cdiv(k, block_k) >= split_k * 8:
         split_k *= 2
-    return LinearConfig(
-        "dot",
-        block_n=block_n,
-        block_k=128,
-        num_warps=4,
-        block_m=block_m,
-        split_k=split_k,
-        num_stages=stages,
-    )
+    return LinearConfig("skinny", block_n, block_k, 4, block_rows(num_rows), split_k, num_stages=4)
+
+
+TableKey = tuple[int, int, int, bool]
+
+
+def parse_table(payload: dict[str, Any]) -> dict[TableKey, LinearConfig | None]:
+    """``{(block_m, n, k, silu_mul): config, or None for cuBLAS}`` from a table's JSON."""
+    table: dict[TableKey, LinearConfig | None] = {}
+    for entry in payload["entries"]:
+        key = (int(entry["block_m"]), int(entry["n"]), int(entry["k"]), bool(entry["silu_mul"]))
+        if entry["kind"] == "cublas":
+            table[key] = None
+            continue
+        table[key] = LinearConfig(
+            "skinny",
+            int(entry["block_n"]),
+            int(entry["block_k"]),
+            int(entry["num_warps"]),
+            key[0],
+            int(entry["split_k"]),
+            int(entry["num_stages"]),
+        )
+    return table
+
+
+def table_path(device_name: str) -> Path:
+    return TABLE_DIR / (device_name.replace(" ", "_") + ".json")
+
+
+@functools.cache
+def _load_table(path: str) -> dict[TableKey, LinearConfig | None]:
+    file = Path(path)
+    if not file.is_file():
+        return {}
+    return parse_table(json.loads(file.read_text()))
+
+
+@functools.cache
+def _device() -> tuple[str, int]:
+    """(name, compute capability major) of the current CUDA device, ("", 0) without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "", 0
+    index = torch.cuda.current_device()
+    return torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)[0]
+
+
+def skinny_config(num_rows: int, n: int, k: int, silu_mul: bool = False) -> LinearConfig | None:
+    """The skinny GEMM's tile for 2-64 rows, or None where cuBLAS runs the projection."""
+    if os.environ.get("PEGAINFER_SKINNY_GEMM", "1") in ("0", "false", "off"):
+        return None
+    name, major = _device()
+    path = os.environ.get("PEGAINFER_LINEAR_TABLE") or str(table_path(name))
+    key = (block_rows(num_rows), n, k, silu_mul)
+    table = _load_table(path)
+    if key in table:
+        return table[key]
+    if (name and major < 9) or key[0] > 32:
+        return None
+    return skinny_rule(num_rows, n, k, silu_mul)
+
+
+def pick_config(num_rows: int, n: int, k: int) -> LinearConfig | None:
+    """The Triton kernel for ``num_rows`` rows of an ``N x K`` weight; None: cuBLAS."""
+    if num_rows == 1:
+        return gemv_config(n, k)
+    if num_rows <= MAX_ROWS:
+        return skinny_config(num_rows, n, k)
+    return None

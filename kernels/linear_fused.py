@@ -6,9 +6,10 @@ drain and a ramp even with programmatic dependent launch. ``linear_silu_and_mul`
 features and reads their gate and up weight rows (``i`` and ``i + intermediate`` of the
 fused ``[gate | up]`` weight), as many rows as the plain GEMV's tile, so the epilogue has
 both halves. The projection is rounded to the activation dtype before the epilogue, as the
-separate kernels see it. Other row counts (cuBLAS), CPU tensors and
-``PEGAINFER_FUSED_GEMV=0`` run the two steps separately; the reference is those two
-steps' references.
+separate kernels see it. At 2-64 rows the skinny GEMM does the same
+(kernels/skinny_gemm.py) where ``kernels/linear_configs.py`` picks it for the fused shape.
+Other row counts (cuBLAS), CPU tensors and ``PEGAINFER_FUSED_GEMV=0`` run the two steps
+separately; the reference is those two steps' references.
 
 Measured against, and not used: the residual add and RMSNorm ending the o and down GEMVs,
 done by the last of their 1,280 programs to count in at an arrival counter. On an H200
@@ -26,7 +27,8 @@ import torch
 from kernels import pdl
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.backend import cdiv, load_triton, triton_jit, use_pdl
-from kernels.linear import linear, linear_ref, triton_handles
+from kernels.linear import LinearConfig, linear, linear_ref, triton_eligible, triton_handles
+from kernels.skinny_gemm import MAX_ROWS, skinny_gemm
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -81,9 +83,9 @@ def _gemv_silu_and_mul_kernel(
 
 def _fused_tile(n: int, k: int) -> tuple[int, int, int, int]:
     """(block_n, block_k, num_warps, num_stages) of the one-row GEMV for this shape."""
-    from kernels.linear_configs import pick_config
+    from kernels.linear_configs import gemv_config
 
-    config = pick_config(1, n, k)
+    config = gemv_config(n, k)
     return config.block_n, config.block_k, config.num_warps, config.num_stages
 
 
@@ -92,6 +94,17 @@ def fusion_enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if os.environ.get("PEGAINFER_FUSED_GEMV", "1") in ("0", "false", "off"):
         return False
     return x.dim() == 2 and x.shape[0] == 1 and triton_handles(x, weight)
+
+
+def skinny_fusion_config(x: torch.Tensor, weight: torch.Tensor) -> LinearConfig | None:
+    """The skinny GEMM tile that fuses silu-and-mul for ``x``'s 2-64 rows, or None."""
+    from kernels.linear_configs import skinny_config
+
+    if os.environ.get("PEGAINFER_FUSED_GEMV", "1") in ("0", "false", "off"):
+        return None
+    if x.dim() != 2 or not 2 <= x.shape[0] <= MAX_ROWS or not triton_eligible(x, weight):
+        return None
+    return skinny_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul=True)
 
 
 def linear_silu_and_mul_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -127,4 +140,17 @@ def linear_silu_and_mul_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.T
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if fusion_enabled(x, weight):
         return linear_silu_and_mul_triton(x, weight)
+    config = skinny_fusion_config(x, weight)
+    if config is not None:
+        return skinny_gemm(
+            x,
+            weight,
+            None,
+            config.block_n,
+            config.block_k,
+            config.split_k,
+            config.num_warps,
+            config.num_stages,
+            silu_mul=True,
+        )
     return silu_and_mul(linear(x, weight))

@@ -35,9 +35,10 @@ LM_HEAD = "lm_head"
 GEMM = "gemm"
 # Substrings (lower case) of cuBLAS/CUTLASS kernel names and of the Triton linear kernels.
 _GEMM_MARKERS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce", "_skinny_gemm")
-# The one-row gate/up GEMV ends in its silu-and-mul epilogue (kernels/linear_fused.py): the
-# GEMM right after it is the down projection.
-_RUN_ENDING_MARKERS = ("_gemv_silu_and_mul",)
+# The gate/up GEMV of one row and the skinny GEMM of 2-64 end in their silu-and-mul epilogue
+# (kernels/linear_fused.py, kernels/skinny_gemm.py): the GEMM right after them is the down
+# projection.
+_RUN_ENDING_MARKERS = ("_gemv_silu_and_mul", "_skinny_gemm_silu_and_mul")
 _PARTS = (
     ("_decode_split_kernel", "decode attention"),
     ("_prefill_kernel", "prefill attention"),

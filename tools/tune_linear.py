@@ -1,20 +1,29 @@
 """Time the Triton linear kernels (kernels/linear.py) against cuBLAS at decode row counts.
 
-    python -m tools.tune_linear [--preset 4b] [--rows 1,2,4,8,16,32,64] [--out DIR]
+    python -m tools.tune_linear [--preset 4b] [--rows 1,8,32,64] [--emit-table PATH]
 
-For every projection of the model shape (qkv, o, gate_up, down, lm_head) and every row
-count, each candidate tile is timed inside one CUDA graph of ``--calls`` launches that cycle
-through enough copies of the weight (at least ``--min-bytes``) that none comes from L2, as in
-a real forward. The table gives cuBLAS (``F.linear``), the current default pick
+For every projection of the model shape (qkv, o, gate_up, down, lm_head, and from two rows
+gate_up_silu: gate/up ending in silu-and-mul) and every row count, each candidate tile is
+timed inside one CUDA graph of ``--calls`` launches that cycle through enough copies of the
+weight (at least ``--min-bytes``) that none comes from L2, as in a real forward; Triton
+kernels launch with PDL as in a decode step. The table gives cuBLAS (``F.linear``; for
+gate_up_silu, cuBLAS and the silu-and-mul kernel), the current default pick
 (kernels/linear_configs.py) and the best candidate, each as microseconds and as bandwidth
-beside the copy bandwidth measured in the same run. Candidates are compiled first in
-``--jobs`` processes so the timing process finds them in Triton's cache.
+beside the copy bandwidth measured in the same run. One row sweeps the GEMV's tiles, more
+rows the skinny GEMM's (kernels/skinny_gemm.py). Candidates are compiled first in ``--jobs``
+processes so the timing process finds them in Triton's cache.
+
+``--emit-table PATH`` writes the skinny GEMM's table (kernels/linear_configs.py) from the
+sweep: per padded row count and projection the best tile, or cuBLAS where no tile beats it
+by ``--min-gain``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
+import json
 import multiprocessing
 import statistics
 from collections.abc import Callable
@@ -28,49 +37,124 @@ PRESETS = {
 }
 
 
+SILU = "gate_up_silu"
+# Shared memory a skinny tile may take over its stages (of 227 KB a SM on Hopper).
+_MAX_STAGE_BYTES = 160 << 10
+
+
 def projections(preset: str) -> list[tuple[str, int, int]]:
     hidden, inter, heads, kv_heads, head_dim, vocab = PRESETS[preset]
     return [
         ("qkv", (heads + 2 * kv_heads) * head_dim, hidden),
         ("o", hidden, heads * head_dim),
         ("gate_up", 2 * inter, hidden),
+        (SILU, 2 * inter, hidden),
         ("down", hidden, inter),
         ("lm_head", vocab, hidden),
     ]
 
 
-def candidates(rows: int) -> list[Any]:
+# The skinny GEMM's tiles swept by default; ``--grid`` replaces any of these lists.
+DEFAULT_GRID: dict[str, tuple[int, ...]] = {
+    "block_n": (32, 64, 128),
+    "block_k": (64, 128, 256),
+    "stages": (3, 4, 6),
+    "split": (1, 2, 3, 4, 6, 8, 16),
+}
+
+
+def parse_grid(spec: str) -> dict[str, tuple[int, ...]]:
+    """``"split=1,3,6;stages=4"`` -> the default grid with those lists replaced."""
+    grid = dict(DEFAULT_GRID)
+    for item in filter(None, (part.strip() for part in spec.split(";"))):
+        name, _, values = item.partition("=")
+        if name not in grid or not values:
+            raise ValueError(f"--grid {item!r}: want one of {sorted(grid)} = comma-separated ints")
+        grid[name] = tuple(int(v) for v in values.split(","))
+    return grid
+
+
+def candidates(
+    rows: int,
+    n: int = 0,
+    k: int = 0,
+    silu_mul: bool = False,
+    grid: dict[str, tuple[int, ...]] | None = None,
+) -> list[Any]:
+    """Tiles to time: the GEMV's at one row, the skinny GEMM's from two (for an ``N x K``
+    weight, those that fit shared memory and give a sensible number of programs)."""
+    from kernels.backend import cdiv
     from kernels.linear import LinearConfig
+    from kernels.skinny_gemm import block_rows
 
     found = []
-    if rows <= 8:
-        block_m = 1 << (rows - 1).bit_length()
+    if rows == 1:
         for block_n, block_k, warps in itertools.product(
             (1, 2, 4, 8, 16), (128, 256, 512, 1024, 2048), (2, 4, 8)
         ):
-            if block_m * block_n * block_k <= 4096 * warps and block_k >= 32 * warps:
-                found.append(LinearConfig("gemv", block_n, block_k, warps, block_m))
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+            if block_n * block_k <= 4096 * warps and block_k >= 32 * warps:
+                found.append(LinearConfig("gemv", block_n, block_k, warps))
+        return found
+    grid = grid or DEFAULT_GRID
+    block_m = block_rows(rows)
+    parts = 2 if silu_mul else 1
     for block_n, block_k, stages, split_k in itertools.product(
-        (32, 64, 128), (64, 128, 256), (3, 5), (1, 2, 4, 8)
+        grid["block_n"], grid["block_k"], grid["stages"], grid["split"]
     ):
-        if block_m * block_k + block_n * block_k > 64 * 256:
-            continue  # too much shared memory per stage
-        found.append(LinearConfig("dot", block_n, block_k, 4, block_m, split_k, stages))
+        if (parts * block_n + block_m) * block_k * 2 * stages > _MAX_STAGE_BYTES:
+            continue
+        if n and k:
+            programs = cdiv(n // parts, block_n) * split_k
+            if not 100 <= programs <= 8192 or cdiv(k, block_k) < 2 * split_k:
+                continue
+        for warps in (4, 8) if block_n == 128 else (4,):
+            found.append(LinearConfig("skinny", block_n, block_k, warps, block_m, split_k, stages))
     return found
 
 
-def _compile_worker(tasks: list[tuple[int, int, int, Any]]) -> int:
+def launch(x: Any, weight: Any, config: Any, silu_mul: bool) -> Any:
+    """One projection with ``config``: a Triton tile, or cuBLAS (then silu-and-mul) for None."""
+    import torch.nn.functional as F
+
+    from kernels.activation import silu_and_mul
+    from kernels.linear import linear_triton
+    from kernels.skinny_gemm import skinny_gemm
+
+    if config is None:
+        out = F.linear(x, weight)
+        return silu_and_mul(out) if silu_mul else out
+    if silu_mul:
+        return skinny_gemm(
+            x,
+            weight,
+            None,
+            config.block_n,
+            config.block_k,
+            config.split_k,
+            config.num_warps,
+            config.num_stages,
+            silu_mul=True,
+        )
+    return linear_triton(x, weight, None, config)
+
+
+def default_pick(rows: int, n: int, k: int, silu_mul: bool) -> Any:
+    from kernels.linear_configs import pick_config, skinny_config
+
+    if silu_mul:
+        return skinny_config(rows, n, k, silu_mul=True) if rows > 1 else None
+    return pick_config(rows, n, k)
+
+
+def _compile_worker(tasks: list[tuple[int, int, int, bool, Any]]) -> int:
     import torch
 
-    from kernels.linear import linear_triton
-
     done = 0
-    for rows, n, k, config in tasks:
+    for rows, n, k, silu_mul, config in tasks:
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         try:
-            linear_triton(x, w, None, config)
+            launch(x, w, config, silu_mul)
             done += 1
         except Exception:  # a config that does not compile is skipped when timed too
             pass
@@ -78,7 +162,7 @@ def _compile_worker(tasks: list[tuple[int, int, int, Any]]) -> int:
     return done
 
 
-def precompile(tasks: list[tuple[int, int, int, Any]], jobs: int) -> None:
+def precompile(tasks: list[tuple[int, int, int, bool, Any]], jobs: int) -> None:
     if jobs <= 1:
         _compile_worker(tasks)
         return
@@ -114,48 +198,93 @@ def graph_time_us(make_call: Callable[[int], Callable[[], Any]], copies: int, ca
 
 
 def measure_one(
-    name: str, rows: int, weights: list[Any], calls: int, bar: Any, sweep: bool = True
+    name: str,
+    rows: int,
+    weights: list[Any],
+    calls: int,
+    bar: Any,
+    sweep: bool = True,
+    grid: dict[str, tuple[int, ...]] | None = None,
 ) -> dict[str, Any]:
     """cuBLAS, the default pick and every candidate for one projection and row count."""
     import torch
-    import torch.nn.functional as F
-
-    from kernels.linear import linear_triton
-    from kernels.linear_configs import pick_config
 
     n, k = weights[0].shape
+    silu_mul = name == SILU
     x = torch.randn(rows, k, device=weights[0].device, dtype=weights[0].dtype)
 
-    def timed(fn: Callable[[Any], Any]) -> float:
-        return graph_time_us(lambda i: lambda: fn(weights[i]), len(weights), calls)
+    def timed(config: Any) -> float:
+        return graph_time_us(
+            lambda i: lambda: launch(x, weights[i], config, silu_mul), len(weights), calls
+        )
 
-    cublas = timed(lambda w: F.linear(x, w))
+    cublas = timed(None)
     bar.update()
-    default_config = pick_config(rows, n, k)
-    default = timed(lambda w: linear_triton(x, w, None, default_config))
+    default_config = default_pick(rows, n, k, silu_mul)
+    default = timed(default_config) if default_config is not None else cublas
     bar.update()
-    results = [(default, default_config)]
-    for config in candidates(rows) if sweep else []:
+    results = [(default, default_config)] if default_config is not None else []
+    for config in candidates(rows, n, k, silu_mul, grid) if sweep else []:
         try:
-            results.append((timed(lambda w, c=config: linear_triton(x, w, None, c)), config))
+            results.append((timed(config), config))
         except Exception as exc:  # noqa: BLE001 - report and go on
             print(f"{name} rows={rows} {config}: {type(exc).__name__}: {exc}"[:300])
         bar.update()
     results.sort(key=lambda r: r[0])
-    best_us, best = results[0]
+    best_us, best = results[0] if results else (cublas, None)
+    out_n = n // 2 if silu_mul else n
     return {
         "projection": name,
         "rows": rows,
         "n": n,
         "k": k,
-        "bytes": n * k * 2 + rows * (k + n) * 2,
+        "silu_mul": silu_mul,
+        "bytes": n * k * 2 + rows * (k + out_n) * 2,
         "cublas_us": cublas,
         "default_us": default,
-        "default": vars(default_config),
+        "default": vars(default_config) if default_config is not None else None,
         "best_us": best_us,
-        "best": vars(best),
+        "best": vars(best) if best is not None else None,
         "top5": [(round(us, 2), vars(c)) for us, c in results[:5]],
     }
+
+
+def describe(config: dict[str, Any] | None) -> str:
+    if config is None:
+        return "cuBLAS"
+    return (
+        f"{config['kind']} m{config['block_m']} n{config['block_n']} k{config['block_k']} "
+        f"w{config['num_warps']} s{config['num_stages']} sk{config['split_k']}"
+    )
+
+
+def emit_table(records: list[dict[str, Any]], min_gain: float, device: str) -> dict[str, Any]:
+    """The skinny GEMM's table from a sweep: per (padded rows, N, K, silu) the best tile of
+    the largest row count swept there, or cuBLAS where none beats it by ``min_gain``."""
+    from kernels.skinny_gemm import block_rows
+
+    chosen: dict[tuple[int, int, int, bool], dict[str, Any]] = {}
+    for record in sorted(records, key=lambda r: r["rows"]):
+        if record["rows"] < 2:
+            continue
+        key = (block_rows(record["rows"]), record["n"], record["k"], record["silu_mul"])
+        chosen[key] = record
+    entries = []
+    for (block_m, n, k, silu_mul), record in sorted(chosen.items()):
+        entry: dict[str, Any] = {"block_m": block_m, "n": n, "k": k, "silu_mul": silu_mul}
+        best = record["best"]
+        wins = best is not None and record["best_us"] < record["cublas_us"] * (1 - min_gain)
+        if wins and best["kind"] == "skinny":
+            entry["kind"] = "skinny"
+            for field in ("block_n", "block_k", "num_warps", "split_k", "num_stages"):
+                entry[field] = best[field]
+        else:
+            entry["kind"] = "cublas"
+        entry["us"] = round(record["best_us"] if wins else record["cublas_us"], 2)
+        entry["cublas_us"] = round(record["cublas_us"], 2)
+        entry["swept_rows"] = record["rows"]
+        entries.append(entry)
+    return {"device": device, "source": "python -m tools.tune_linear", "entries": entries}
 
 
 def table_row(record: dict[str, Any], copy_bw: float) -> list[Any]:
@@ -165,7 +294,6 @@ def table_row(record: dict[str, Any], copy_bw: float) -> list[Any]:
         rate = moved / (us * 1e-6)
         return f"{rate / 1e12:.2f} ({rate / copy_bw:.0%})"
 
-    best = record["best"]
     return [
         record["projection"],
         record["rows"],
@@ -175,15 +303,14 @@ def table_row(record: dict[str, Any], copy_bw: float) -> list[Any]:
         bw(record["default_us"]),
         f"{record['best_us']:.1f}",
         bw(record["best_us"]),
-        f"{best['kind']} m{best['block_m']} n{best['block_n']} k{best['block_k']} "
-        f"w{best['num_warps']} s{best['num_stages']} sk{best['split_k']}",
+        describe(record["best"]),
     ]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="4b", choices=sorted(PRESETS))
-    p.add_argument("--rows", default="1,2,4,8,16,32,64")
+    p.add_argument("--rows", default="1,8,32,64")
     p.add_argument("--only", default="", help="comma-separated projections (default: all)")
     p.add_argument("--calls", type=int, default=24)
     p.add_argument("--min-bytes", type=int, default=512 << 20)
@@ -191,6 +318,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--defaults-only", action="store_true", help="time cuBLAS and the default pick only"
     )
+    p.add_argument(
+        "--grid",
+        type=parse_grid,
+        default=DEFAULT_GRID,
+        help="skinny tiles to sweep: 'block_n=32,64;block_k=64,128;stages=3,4,6;split=1,2,4;"
+        "' (any subset; the rest default)",
+    )
+    p.add_argument("--emit-table", default="", help="write the skinny GEMM's table here")
+    p.add_argument("--min-gain", type=float, default=0.02, help="share a tile must beat cuBLAS by")
     p.add_argument("--out", default="bench_results")
     p.add_argument("--name", default="tune_linear")
     args = p.parse_args(argv)
@@ -212,29 +348,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.only:
         keep = set(args.only.split(","))
         shapes = [s for s in shapes if s[0] in keep]
-    # Compiled variants differ by K (whole chunks or not) and by rows (1 or more), not by N.
-    tasks = [
-        (rows, 256, k, config)
-        for k in sorted({k for _, _, k in shapes})
-        for rows in rows_list
-        for config in candidates(rows)
-    ]
+    # Compiled variants differ by K (whole chunks or not), the padded rows, the fused epilogue
+    # and split or not, never by N: each is compiled once, on a weight one tile wide.
+    tasks, seen = [], set()
+    for name, n, k in shapes:
+        silu_mul = name == SILU
+        for rows in rows_list:
+            for config in candidates(rows, n, k, silu_mul, args.grid):
+                compiled = dataclasses.replace(config, split_k=min(config.split_k, 2))
+                key = (k, rows if rows == 1 else config.block_m, silu_mul, compiled)
+                if key not in seen:
+                    seen.add(key)
+                    tasks.append(
+                        (rows, config.block_n * (2 if silu_mul else 1), k, silu_mul, config)
+                    )
     if not args.defaults_only:
         print(f"compiling {len(tasks)} kernels in {args.jobs} processes", flush=True)
         precompile(tasks, args.jobs)
     copy_bw = measure_copy_bandwidth(device)
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
 
-    per_rows = {r: 2 + (0 if args.defaults_only else len(candidates(r))) for r in rows_list}
-    total = sum(per_rows.values()) * len(shapes)
+    def runs(name: str) -> list[int]:
+        return [r for r in rows_list if r > 1 or name != SILU]
+
+    total = sum(
+        2 + (0 if args.defaults_only else len(candidates(r, n, k, name == SILU, args.grid)))
+        for name, n, k in shapes
+        for r in runs(name)
+    )
     bar = progress(total, "tune", "config")
     records = []
     for name, n, k in shapes:
         copies = max(1, -(-args.min_bytes // (n * k * 2)))
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
-        for rows in rows_list:
+        for rows in runs(name):
             records.append(
-                measure_one(name, rows, weights, args.calls, bar, not args.defaults_only)
+                measure_one(name, rows, weights, args.calls, bar, not args.defaults_only, args.grid)
             )
         del weights
         torch.cuda.empty_cache()
@@ -258,6 +407,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     payload = {"meta": run_metadata(argv), "copy_bandwidth": copy_bw, "results": records}
     save_json(args.out, args.name, payload)
+    if args.emit_table:
+        table_json = emit_table(records, args.min_gain, torch.cuda.get_device_name(device))
+        with open(args.emit_table, "w") as f:
+            json.dump(table_json, f, indent=1)
+            f.write("\n")
+        print(f"wrote {len(table_json['entries'])} table entries to {args.emit_table}")
     return payload
 
 

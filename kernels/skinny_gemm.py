@@ -1,0 +1,352 @@
+"""Linear layers at 2-64 rows (decode batches): ``y = x @ weight.T``, on tensor cores.
+
+At these rows a projection still reads its whole weight for a handful of outputs, so it is
+bound by the weight's bytes. ``_skinny_gemm_kernel`` streams the weight as the wide
+operand of the product: each program owns ``BLOCK_N`` output features and one contiguous
+range of K, multiplies its ``[BLOCK_N, BLOCK_K]`` weight tiles by the transposed rows
+(``[BLOCK_K, BLOCK_M]``, ``BLOCK_M`` the row count padded to 16, 32 or 64), and keeps a
+``[BLOCK_N, BLOCK_M]`` float32 accumulator. Putting the features on the product's long side
+lets Hopper's warpgroup MMA take 64-feature tiles whatever the row count.
+
+Narrow projections (o, down: N = hidden) have too few feature tiles to fill the GPU, so K
+is split over ``split_k`` programs. Each writes its partial tile to float32 scratch and
+counts in at its tile's counter; the last to arrive adds the others' partials to its own
+and writes the output (``kernels/attention_merge.arrive_last``, the same scheme as decode
+attention's in-kernel merge). A projection is thus one launch, with no zeroed buffer and
+no reduction kernel, and it launches with PDL like the rest of the step.
+
+``SILU_MUL`` makes the gate/up projection write ``silu(gate) * up``: a program reads the
+gate rows of its features and the up rows ``intermediate`` further on, keeps two
+accumulators, and rounds both to the activation dtype before the epilogue, as the two
+separate kernels would.
+
+``linear_ref`` and ``linear_silu_and_mul_ref`` are the references. Which tile and split a
+shape takes comes from ``kernels/linear_configs.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import attention_merge, pdl
+from kernels.attention_merge import split_counters
+from kernels.backend import cdiv, dot_needs_fp32, load_triton, triton_jit, use_pdl
+
+tl = None  # bound to triton.language by kernels.backend.load_triton()
+
+MAX_ROWS = 64
+
+
+@triton_jit
+def _tile_dot(
+    acc,
+    x_rows,
+    w_rows,
+    k_begin,
+    k_end,
+    K,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """``acc += w[features, k_begin:k_end] @ x[rows, k_begin:k_end].T``."""
+    for k_start in range(k_begin, k_end, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_rows + ks[None, :])
+            x = tl.load(x_rows + ks[None, :])
+        else:
+            k_mask = ks < K
+            w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+        if DOT_FP32:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(w, tl.trans(x), acc)
+    return acc
+
+
+@triton_jit
+def _add_other_splits(acc, partial_ptr, tile_offsets, split, num_splits, split_stride):
+    """``acc`` plus every other split's partial of this tile (read past L1)."""
+    for other in range(0, num_splits):
+        if other != split:
+            acc += tl.load(partial_ptr + other * split_stride + tile_offsets, cache_modifier=".cg")
+    return acc
+
+
+@triton_jit
+def _skinny_gemm_tile(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    partial_ptr,
+    counters_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    num_splits,
+    stride_x_row,
+    stride_w_row,
+    stride_out_row,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    features = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    feature_mask = features < N
+    row_mask = rows < M
+    # Clamped rather than masked: padding rows and features re-read valid ones and are
+    # never stored, so the loads need no mask.
+    safe_features = tl.where(feature_mask, features, 0).to(tl.int64)
+    safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
+    w_rows = w_ptr + safe_features[:, None] * stride_w_row
+    x_rows = x_ptr + safe_rows[:, None] * stride_x_row
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    pdl.wait_for_inputs(USE_PDL)
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = _tile_dot(acc, x_rows, w_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
+    if SILU_MUL:
+        up_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        up_rows = w_rows + N * stride_w_row
+        up_acc = _tile_dot(up_acc, x_rows, up_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
+
+    last = True
+    if SPLIT:
+        # Scratch [num_splits, num_tiles, parts, BLOCK_N, BLOCK_M] float32, one tile contiguous.
+        parts = 2 if SILU_MUL else 1
+        tile_size = BLOCK_N * BLOCK_M
+        split_stride = tl.num_programs(0) * parts * tile_size
+        in_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tile_offsets = tile * parts * tile_size + in_tile
+        tl.store(partial_ptr + split * split_stride + tile_offsets, acc)
+        if SILU_MUL:
+            tl.store(partial_ptr + split * split_stride + tile_offsets + tile_size, up_acc)
+        counter = counters_ptr + tile
+        last = attention_merge.arrive_last(counter, num_splits)
+        if last:
+            acc = _add_other_splits(acc, partial_ptr, tile_offsets, split, num_splits, split_stride)
+            if SILU_MUL:
+                up_acc = _add_other_splits(
+                    up_acc, partial_ptr, tile_offsets + tile_size, split, num_splits, split_stride
+                )
+            tl.store(counter, 0)  # ready for the next launch (or graph replay)
+    if last:
+        out_type = out_ptr.dtype.element_ty
+        if SILU_MUL:
+            gate = acc.to(out_type).to(tl.float32)
+            up = up_acc.to(out_type).to(tl.float32)
+            y = gate / (1.0 + tl.exp(-gate)) * up
+        else:
+            y = acc
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + safe_features).to(tl.float32)[:, None]
+        offsets = rows.to(tl.int64)[None, :] * stride_out_row + features[:, None]
+        tl.store(
+            out_ptr + offsets,
+            y.to(out_type),
+            mask=feature_mask[:, None] & row_mask[None, :],
+        )
+
+
+# Two kernels over one body, so that a profile tells the gate/up projection that ends in
+# silu-and-mul (the down projection follows it directly) from the others. The row count and
+# the split are not specialized on: one compiled variant serves every batch of a padded size.
+_NO_SPECIALIZE = ("M", "num_splits")
+
+
+@triton_jit(do_not_specialize=_NO_SPECIALIZE)
+def _skinny_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    partial_ptr,
+    counters_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    num_splits,
+    stride_x_row,
+    stride_w_row,
+    stride_out_row,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    _skinny_gemm_tile(
+        x_ptr,
+        w_ptr,
+        bias_ptr,
+        out_ptr,
+        partial_ptr,
+        counters_ptr,
+        M,
+        N,
+        K,
+        k_per_split,
+        num_splits,
+        stride_x_row,
+        stride_w_row,
+        stride_out_row,
+        HAS_BIAS,
+        False,
+        SPLIT,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        EVEN_K,
+        DOT_FP32,
+        USE_PDL,
+    )
+
+
+@triton_jit(do_not_specialize=_NO_SPECIALIZE)
+def _skinny_gemm_silu_and_mul_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    partial_ptr,
+    counters_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    num_splits,
+    stride_x_row,
+    stride_w_row,
+    stride_out_row,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    _skinny_gemm_tile(
+        x_ptr,
+        w_ptr,
+        bias_ptr,
+        out_ptr,
+        partial_ptr,
+        counters_ptr,
+        M,
+        N,
+        K,
+        k_per_split,
+        num_splits,
+        stride_x_row,
+        stride_w_row,
+        stride_out_row,
+        HAS_BIAS,
+        True,
+        SPLIT,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        EVEN_K,
+        DOT_FP32,
+        USE_PDL,
+    )
+
+
+def block_rows(num_rows: int) -> int:
+    """The padded row count of a ``num_rows`` launch: 16, 32 or 64."""
+    return 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    split_k: int,
+    num_warps: int = 4,
+    num_stages: int = 4,
+    silu_mul: bool = False,
+) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K].T (+ bias) -> [M, N]`` for ``1 <= M <= 64``; with
+    ``silu_mul``, ``weight`` is ``[gate | up]`` (``2 * n`` rows, no bias) and the result
+    ``silu(gate) * up``."""
+    num_rows, k = x.shape
+    if not 0 < num_rows <= MAX_ROWS:
+        raise ValueError(f"the skinny GEMM takes 1-{MAX_ROWS} rows, got {num_rows}")
+    if weight.shape[1] != k or weight.stride(-1) != 1:
+        raise ValueError(f"weight {tuple(weight.shape)} does not take {k} unit-stride features")
+    n = weight.shape[0]
+    if silu_mul:
+        if n % 2:
+            raise ValueError(f"weight {tuple(weight.shape)} is no [gate | up] pair")
+        n //= 2
+        if bias is not None:
+            raise ValueError("silu_mul takes no bias")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    load_triton()
+    block_m = block_rows(num_rows)
+    split_k = max(1, min(split_k, cdiv(k, block_k)))
+    k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
+    split_k = cdiv(k, k_per_split)
+    num_tiles = cdiv(n, block_n)
+    if split_k > 1:
+        parts = 2 if silu_mul else 1
+        partial = torch.empty(
+            split_k * num_tiles * parts * block_n * block_m, dtype=torch.float32, device=x.device
+        )
+        counters = split_counters(num_tiles, x.device)
+    else:
+        partial = counters = out  # unused
+    with_pdl = use_pdl(x)
+    kernel = _skinny_gemm_silu_and_mul_kernel if silu_mul else _skinny_gemm_kernel
+    kernel[(num_tiles, split_k)](
+        x,
+        weight,
+        bias if bias is not None else x,
+        out,
+        partial,
+        counters,
+        num_rows,
+        n,
+        k,
+        k_per_split,
+        split_k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        SPLIT=split_k > 1,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        DOT_FP32=dot_needs_fp32(x.dtype),
+        USE_PDL=with_pdl,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **pdl.launch_options(with_pdl),
+    )
+    return out
