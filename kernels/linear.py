@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kernels import pdl
 from kernels.backend import cdiv, load_triton, triton_jit, use_pdl, use_triton
-from kernels.skinny_gemm import MAX_ROWS, skinny_gemm
+from kernels.skinny_gemm import MAX_ROWS, skinny_gemm_with
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -161,16 +161,7 @@ def linear_triton(
             **pdl.launch_options(with_pdl),
         )
         return out
-    return skinny_gemm(
-        x,
-        weight,
-        bias,
-        config.block_n,
-        config.block_k,
-        config.split_k,
-        config.num_warps,
-        config.num_stages,
-    )
+    return skinny_gemm_with(x, weight, bias, config)
 
 
 def triton_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -28,7 +28,7 @@ from kernels import pdl
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.backend import cdiv, load_triton, triton_jit, use_pdl
 from kernels.linear import LinearConfig, linear, linear_ref, triton_eligible, triton_handles
-from kernels.skinny_gemm import MAX_ROWS, skinny_gemm
+from kernels.skinny_gemm import MAX_ROWS, skinny_gemm_with
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -142,15 +142,5 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return linear_silu_and_mul_triton(x, weight)
     config = skinny_fusion_config(x, weight)
     if config is not None:
-        return skinny_gemm(
-            x,
-            weight,
-            None,
-            config.block_n,
-            config.block_k,
-            config.split_k,
-            config.num_warps,
-            config.num_stages,
-            silu_mul=True,
-        )
+        return skinny_gemm_with(x, weight, None, config, silu_mul=True)
     return silu_and_mul(linear(x, weight))

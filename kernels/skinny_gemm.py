@@ -21,16 +21,24 @@ accumulators, and rounds both to the activation dtype before the epilogue, as th
 separate kernels would.
 
 ``linear_ref`` and ``linear_silu_and_mul_ref`` are the references. Which tile and split a
-shape takes comes from ``kernels/linear_configs.py``.
+shape takes comes from ``kernels/linear_configs.py``. On an H200 (Qwen3-4B, CUDA graphs,
+weights out of L2) it beat cuBLAS at 8 and 32 rows on every projection: o 8.4 against 9.7 us
+at 8 rows, down 15.7 against 16.9, gate/up with silu-and-mul 28.8 against 30.8 (cuBLAS and
+the activation kernel), qkv 10.8 against 11.3; at 64 rows cuBLAS wins the narrow ones.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels import attention_merge, pdl
 from kernels.attention_merge import split_counters
 from kernels.backend import cdiv, dot_needs_fp32, load_triton, triton_jit, use_pdl
+
+if TYPE_CHECKING:
+    from kernels.linear import LinearConfig
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -350,3 +358,24 @@ def skinny_gemm(
         **pdl.launch_options(with_pdl),
     )
     return out
+
+
+def skinny_gemm_with(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: LinearConfig,
+    silu_mul: bool = False,
+) -> torch.Tensor:
+    """``skinny_gemm`` with the tile of a ``LinearConfig`` (kernels/linear_configs.py)."""
+    return skinny_gemm(
+        x,
+        weight,
+        bias,
+        config.block_n,
+        config.block_k,
+        config.split_k,
+        config.num_warps,
+        config.num_stages,
+        silu_mul=silu_mul,
+    )

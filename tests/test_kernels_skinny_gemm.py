@@ -16,7 +16,7 @@ from kernels.attention_merge import split_counters
 from kernels.linear import LinearConfig, linear_ref
 from kernels.linear_configs import parse_table, skinny_config, skinny_rule
 from kernels.linear_fused import linear_silu_and_mul, linear_silu_and_mul_ref
-from kernels.skinny_gemm import block_rows, skinny_gemm
+from kernels.skinny_gemm import block_rows, skinny_gemm, skinny_gemm_with
 
 pytestmark = requires_triton
 
@@ -181,17 +181,7 @@ def test_real_shapes_with_the_picked_tiles_in_a_graph(name, n, k, silu_mul, rows
     x, weight = _operands(rows, n, k, torch.bfloat16, rows + n)
 
     def run() -> torch.Tensor:
-        return skinny_gemm(
-            x,
-            weight,
-            None,
-            config.block_n,
-            config.block_k,
-            config.split_k,
-            config.num_warps,
-            config.num_stages,
-            silu_mul=silu_mul,
-        )
+        return skinny_gemm_with(x, weight, None, config, silu_mul=silu_mul)
 
     run()
     torch.cuda.synchronize()

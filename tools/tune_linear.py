@@ -118,23 +118,13 @@ def launch(x: Any, weight: Any, config: Any, silu_mul: bool) -> Any:
 
     from kernels.activation import silu_and_mul
     from kernels.linear import linear_triton
-    from kernels.skinny_gemm import skinny_gemm
+    from kernels.skinny_gemm import skinny_gemm_with
 
     if config is None:
         out = F.linear(x, weight)
         return silu_and_mul(out) if silu_mul else out
     if silu_mul:
-        return skinny_gemm(
-            x,
-            weight,
-            None,
-            config.block_n,
-            config.block_k,
-            config.split_k,
-            config.num_warps,
-            config.num_stages,
-            silu_mul=True,
-        )
+        return skinny_gemm_with(x, weight, None, config, silu_mul=True)
     return linear_triton(x, weight, None, config)
 
 
