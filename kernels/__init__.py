@@ -5,13 +5,18 @@ from kernels.attention import paged_attention, store_kv
 from kernels.backend import use_triton
 from kernels.linear import linear
 from kernels.linear_fused import linear_silu_and_mul
+from kernels.linear_norm import linear_add_rms_norm
+from kernels.pending_norm import PendingNorm, as_tensor
 from kernels.prefill_work import prefill_queries_per_tile, prefill_work_table
 from kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_and_store_kv, rotary_embedding
 
 __all__ = [
+    "PendingNorm",
+    "as_tensor",
     "fused_add_rms_norm",
     "linear",
+    "linear_add_rms_norm",
     "linear_silu_and_mul",
     "paged_attention",
     "prefill_queries_per_tile",

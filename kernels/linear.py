@@ -17,16 +17,28 @@ shape and row count, cuBLAS where it picks none.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kernels import pdl
+from kernels import attention_merge, pdl, pending_norm
+from kernels.attention_merge import split_counters
 from kernels.backend import cdiv, load_triton, triton_jit, use_pdl, use_triton
-from kernels.skinny_gemm import MAX_ROWS, skinny_gemm_with
+from kernels.pending_norm import PendingNorm, as_tensor
+from kernels.skinny_gemm import MAX_ROWS, skinny_gemm_add_residual, skinny_gemm_with
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
+
+# Feature tiles of a GEMV that share one slot of the sums of squares it hands to the next
+# projection's norm: 1,280 tiles (Qwen3-4B's o and down) give 40 slots for it to read.
+# ``PEGAINFER_NORM_GROUP_TILES=1`` gives every tile its own slot, with no arrival counters.
+GROUP_TILES = 32
+
+
+def group_tiles_now() -> int:
+    return int(os.environ.get("PEGAINFER_NORM_GROUP_TILES", GROUP_TILES))
 
 
 @dataclass(frozen=True)
@@ -60,13 +72,26 @@ def _gemv_kernel(
     w_ptr,
     bias_ptr,
     out_ptr,
+    norm_w_ptr,
+    weighted_ptr,
+    in_sums_ptr,
+    residual_ptr,
+    tile_sums_ptr,
+    out_sums_ptr,
+    counters_ptr,
     M,
     N,
     K,
     stride_x_row,
     stride_w_row,
     stride_out_row,
+    num_in_groups,
+    eps,
     HAS_BIAS: tl.constexpr,
+    NORMED: tl.constexpr,
+    IN_GROUPS: tl.constexpr,
+    ADD_NORM: tl.constexpr,
+    GROUP_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -85,83 +110,196 @@ def _gemv_kernel(
     safe_features = tl.where(feature_mask, features, 0).to(tl.int64)
     w_rows = w_ptr + safe_features[:, None] * stride_w_row
     pdl.wait_for_inputs(USE_PDL)
+    if NORMED:
+        inv_rms = pending_norm.inverse_rms(
+            in_sums_ptr, rows, row_mask, num_in_groups, num_in_groups, K, eps, IN_GROUPS
+        )
     x_rows = x_ptr + safe_rows[:, None] * stride_x_row
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_rows + ks[None, :])
-            x = tl.load(x_rows + ks[None, :])
+            x = tl.load(x_rows + ks[None, :]).to(tl.float32)
         else:
             k_mask = ks < K
             w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
-            x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
+    if NORMED:
+        y *= inv_rms[:, None]
     if HAS_BIAS:
         y += tl.load(bias_ptr + safe_features).to(tl.float32)[None, :]
     offsets = rows.to(tl.int64)[:, None] * stride_out_row + features[None, :]
-    tl.store(
-        out_ptr + offsets,
-        y.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & feature_mask[None, :],
+    mask = row_mask[:, None] & feature_mask[None, :]
+    if ADD_NORM:
+        norm_w = tl.load(norm_w_ptr + safe_features).to(tl.float32)[None, :]
+        squares = pending_norm.add_residual_and_square(
+            y, residual_ptr + offsets, out_ptr + offsets, norm_w, weighted_ptr + offsets, mask, 1
+        )
+        _sum_group_squares(
+            squares, rows, row_mask, tile_sums_ptr, out_sums_ptr, counters_ptr, GROUP_TILES
+        )
+    else:
+        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton_jit
+def _sum_group_squares(
+    squares, rows, row_mask, tile_sums_ptr, out_sums_ptr, counters_ptr, GROUP_TILES: tl.constexpr
+):
+    """Put this feature tile's per-row sums of squares in its slot; the last tile of each
+    group of ``GROUP_TILES`` to finish adds the group's slots and writes the group's slot of
+    ``out_sums [M, groups]``. A one-row GEMV has over a thousand tiles: the consumer then
+    reads one slot per group, not per tile."""
+    tile = tl.program_id(1)
+    num_tiles = tl.num_programs(1)
+    num_groups = (num_tiles + GROUP_TILES - 1) // GROUP_TILES
+    group = tile // GROUP_TILES
+    tile_rows = rows.to(tl.int64) * num_tiles
+    if GROUP_TILES == 1:
+        tl.store(out_sums_ptr + tile_rows + tile, squares, mask=row_mask)
+        return
+    tl.store(tile_sums_ptr + tile_rows + tile, squares, mask=row_mask)
+    counter = counters_ptr + tl.program_id(0) * num_groups + group
+    in_group = tl.minimum(GROUP_TILES, num_tiles - group * GROUP_TILES)
+    if attention_merge.arrive_last(counter, in_group):
+        members = group * GROUP_TILES + tl.arange(0, GROUP_TILES)
+        parts = tl.load(
+            tile_sums_ptr + tile_rows[:, None] + members[None, :],
+            mask=row_mask[:, None] & (members < num_tiles)[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        tl.store(
+            out_sums_ptr + rows.to(tl.int64) * num_groups + group,
+            tl.sum(parts, axis=1),
+            mask=row_mask,
+        )
+        tl.store(counter, 0)  # ready for the next launch (or graph replay)
+
+
+def _gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: LinearConfig,
+    normed: PendingNorm | None = None,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Launch the GEMV. With ``normed``, ``x`` is its stream and the norm is applied on the
+    way in; with ``residual`` and ``norm_weight``, the output is ``round(x @ weight.T) +
+    residual``, the second result its rows' sums of squares, one slot per ``GROUP_TILES``
+    feature tiles, and the third the output times ``norm_weight``."""
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out, None, None
+    grid = (cdiv(num_rows, config.block_m), cdiv(n, config.block_n))
+    out_sums = tile_sums = counters = weighted = None
+    group_tiles = group_tiles_now()
+    if residual is not None:
+        weighted = torch.empty_like(out)
+        num_groups = cdiv(grid[1], group_tiles)
+        out_sums = torch.empty((num_rows, num_groups), dtype=torch.float32, device=x.device)
+        tile_sums = torch.empty((num_rows, grid[1]), dtype=torch.float32, device=x.device)
+        counters = split_counters(grid[0] * num_groups, x.device)
+    with_pdl = use_pdl(x)
+    _gemv_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else x,
+        out,
+        norm_weight if norm_weight is not None else x,
+        weighted if weighted is not None else x,
+        normed.square_sums if normed is not None else x,
+        residual if residual is not None else x,
+        tile_sums if tile_sums is not None else x,
+        out_sums if out_sums is not None else x,
+        counters if counters is not None else x,
+        num_rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        normed.num_groups if normed is not None else 1,
+        normed.eps if normed is not None else 0.0,
+        HAS_BIAS=bias is not None,
+        NORMED=normed is not None,
+        IN_GROUPS=normed.groups_block if normed is not None else 1,
+        ADD_NORM=residual is not None,
+        GROUP_TILES=group_tiles,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        EVEN_K=k % config.block_k == 0,
+        USE_PDL=with_pdl,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **pdl.launch_options(with_pdl),
     )
+    return out, out_sums, weighted
+
+
+def _checked(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} features but the weight expects {weight.shape[1]}")
+    if weight.stride(-1) != 1:
+        raise ValueError("the weight needs a unit last stride")
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def linear_triton(
-    x: torch.Tensor,
+    x: torch.Tensor | PendingNorm,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: LinearConfig | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N]`` in ``x``'s dtype."""
+    """``x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N]`` in ``x``'s dtype; a
+    ``PendingNorm`` ``x`` [M, K] is normed on the way in."""
     from kernels.linear_configs import pick_config
 
-    if x.dim() != 2:
+    normed = x if isinstance(x, PendingNorm) else None
+    if normed is not None:
+        x = normed.weighted
+    elif x.dim() != 2:
         lead = x.shape[:-1]
         return linear_triton(x.reshape(-1, x.shape[-1]), weight, bias, config).view(*lead, -1)
-    num_rows, k = x.shape
-    n = weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"x has {k} features but the weight expects {weight.shape[1]}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if weight.stride(-1) != 1:
-        raise ValueError("the weight needs a unit last stride")
-    config = config or pick_config(num_rows, n, k)
+    x = _checked(x, weight)
+    config = config or pick_config(x.shape[0], *weight.shape)
     if config is None:
-        raise ValueError(f"no Triton linear kernel for {num_rows} rows of {n}x{k}")
+        raise ValueError(f"no Triton linear kernel for {x.shape[0]} rows of {tuple(weight.shape)}")
     load_triton()
-    has_bias = bias is not None
     if config.kind == "gemv":
-        out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-        if num_rows == 0:
-            return out
-        grid = (cdiv(num_rows, config.block_m), cdiv(n, config.block_n))
-        with_pdl = use_pdl(x)
-        _gemv_kernel[grid](
-            x,
-            weight,
-            bias if has_bias else x,
-            out,
-            num_rows,
-            n,
-            k,
-            x.stride(0),
-            weight.stride(0),
-            out.stride(0),
-            HAS_BIAS=has_bias,
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k,
-            EVEN_K=k % config.block_k == 0,
-            USE_PDL=with_pdl,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            **pdl.launch_options(with_pdl),
-        )
-        return out
-    return skinny_gemm_with(x, weight, bias, config)
+        return _gemv(x, weight, bias, config, normed)[0]
+    return skinny_gemm_with(x, weight, bias, config, normed=normed)
+
+
+def linear_add_residual_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    config: LinearConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``s = round(x [M, K] @ weight.T) + residual [M, N]``, rounded; its rows' sums of
+    squares ``[M, groups]`` float32; and ``s * norm_weight``: what the RMSNorm that follows
+    needs (kernels/pending_norm.py)."""
+    x = _checked(x, weight)
+    if tuple(residual.shape) != (x.shape[0], weight.shape[0]):
+        raise ValueError(f"residual {tuple(residual.shape)} does not match the output")
+    residual = residual.contiguous()
+    load_triton()
+    if config.kind == "gemv":
+        out, sums, weighted = _gemv(x, weight, None, config, None, residual, norm_weight)
+    else:
+        out, sums, weighted = skinny_gemm_add_residual(x, weight, residual, norm_weight, config)
+    assert sums is not None and weighted is not None
+    return out, sums, weighted
 
 
 def triton_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -179,7 +317,11 @@ def triton_handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return 0 < rows <= MAX_ROWS and pick_config(rows, *weight.shape) is not None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if triton_handles(x, weight):
+def linear(
+    x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``; a ``PendingNorm`` is applied inside the Triton kernels and
+    materialized first for cuBLAS."""
+    if triton_handles(x.hidden if isinstance(x, PendingNorm) else x, weight):
         return linear_triton(x, weight, bias)
-    return linear_ref(x, weight, bias)
+    return linear_ref(as_tensor(x), weight, bias)

@@ -24,10 +24,11 @@ import os
 
 import torch
 
-from kernels import pdl
+from kernels import pdl, pending_norm
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.backend import cdiv, load_triton, triton_jit, use_pdl
 from kernels.linear import LinearConfig, linear, linear_ref, triton_eligible, triton_handles
+from kernels.pending_norm import PendingNorm
 from kernels.skinny_gemm import MAX_ROWS, skinny_gemm_with
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
@@ -39,21 +40,35 @@ def linear_silu_and_mul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
 
 @triton_jit
-def _row_dot(x_ptr, w_rows, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _row_dot(
+    x_ptr,
+    w_rows,
+    K,
+    scale,
+    NORMED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     """``BLOCK_N`` dot products of one activation row with the weight rows at ``w_rows``,
-    rounded to the activation dtype as a stored projection output would be."""
+    rounded to the activation dtype as a stored projection output would be. With
+    ``NORMED`` the row is a pending norm's weighted stream, and the products are scaled by
+    ``scale`` (1 / rms)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_rows + ks[None, :])
-            x = tl.load(x_ptr + ks)
+            x = tl.load(x_ptr + ks).to(tl.float32)
         else:
             k_mask = ks < K
             w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
-        acc += x.to(tl.float32)[None, :] * w.to(tl.float32)
-    return tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        acc += x[None, :] * w.to(tl.float32)
+    y = tl.sum(acc, axis=1)
+    if NORMED:
+        y *= scale
+    return y.to(x_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton_jit
@@ -61,9 +76,14 @@ def _gemv_silu_and_mul_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    in_sums_ptr,
     N,
     K,
     stride_w_row,
+    num_in_groups,
+    eps,
+    NORMED: tl.constexpr,
+    IN_GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -75,8 +95,16 @@ def _gemv_silu_and_mul_kernel(
     gate_rows = w_ptr + safe_features[:, None] * stride_w_row
     up_rows = w_ptr + (safe_features + N)[:, None] * stride_w_row
     pdl.wait_for_inputs(USE_PDL)
-    gate = _row_dot(x_ptr, gate_rows, K, BLOCK_N, BLOCK_K, EVEN_K)
-    up = _row_dot(x_ptr, up_rows, K, BLOCK_N, BLOCK_K, EVEN_K)
+    scale = 1.0
+    if NORMED:
+        row = tl.arange(0, 1)
+        scale = tl.sum(
+            pending_norm.inverse_rms(
+                in_sums_ptr, row, row < 1, num_in_groups, num_in_groups, K, eps, IN_GROUPS
+            )
+        )
+    gate = _row_dot(x_ptr, gate_rows, K, scale, NORMED, BLOCK_N, BLOCK_K, EVEN_K)
+    up = _row_dot(x_ptr, up_rows, K, scale, NORMED, BLOCK_N, BLOCK_K, EVEN_K)
     silu = gate / (1.0 + tl.exp(-gate))
     tl.store(out_ptr + features, (silu * up).to(out_ptr.dtype.element_ty), mask=feature_mask)
 
@@ -107,7 +135,10 @@ def skinny_fusion_config(x: torch.Tensor, weight: torch.Tensor) -> LinearConfig 
     return skinny_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul=True)
 
 
-def linear_silu_and_mul_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_silu_and_mul_triton(x: torch.Tensor | PendingNorm, weight: torch.Tensor) -> torch.Tensor:
+    normed = x if isinstance(x, PendingNorm) else None
+    if normed is not None:
+        x = normed.weighted
     k = x.shape[-1]
     n = weight.shape[0] // 2
     if weight.shape[0] % 2 or weight.shape[1] != k or weight.stride(-1) != 1:
@@ -123,9 +154,14 @@ def linear_silu_and_mul_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.T
         x,
         weight,
         out,
+        normed.square_sums if normed is not None else x,
         n,
         k,
         weight.stride(0),
+        normed.num_groups if normed is not None else 1,
+        normed.eps if normed is not None else 0.0,
+        NORMED=normed is not None,
+        IN_GROUPS=normed.groups_block if normed is not None else 1,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
@@ -137,10 +173,14 @@ def linear_silu_and_mul_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.T
     return out
 
 
-def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if fusion_enabled(x, weight):
+def linear_silu_and_mul(x: torch.Tensor | PendingNorm, weight: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``; a ``PendingNorm`` ``x`` is applied inside the fused kernels."""
+    stream = x.hidden if isinstance(x, PendingNorm) else x
+    if fusion_enabled(stream, weight):
         return linear_silu_and_mul_triton(x, weight)
-    config = skinny_fusion_config(x, weight)
+    config = skinny_fusion_config(stream, weight)
     if config is not None:
+        if isinstance(x, PendingNorm):
+            return skinny_gemm_with(x.weighted, weight, None, config, silu_mul=True, normed=x)
         return skinny_gemm_with(x, weight, None, config, silu_mul=True)
     return silu_and_mul(linear(x, weight))

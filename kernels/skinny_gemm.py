@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels import attention_merge, pdl
+from kernels import pdl, skinny_tile
 from kernels.attention_merge import split_counters
 from kernels.backend import cdiv, dot_needs_fp32, load_triton, triton_jit, use_pdl
+from kernels.pending_norm import PendingNorm
 
 if TYPE_CHECKING:
     from kernels.linear import LinearConfig
@@ -43,131 +44,6 @@ if TYPE_CHECKING:
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
 MAX_ROWS = 64
-
-
-@triton_jit
-def _tile_dot(
-    acc,
-    x_rows,
-    w_rows,
-    k_begin,
-    k_end,
-    K,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    """``acc += w[features, k_begin:k_end] @ x[rows, k_begin:k_end].T``."""
-    for k_start in range(k_begin, k_end, BLOCK_K):
-        ks = k_start + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_rows + ks[None, :])
-            x = tl.load(x_rows + ks[None, :])
-        else:
-            k_mask = ks < K
-            w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
-            x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
-        if DOT_FP32:
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(w, tl.trans(x), acc)
-    return acc
-
-
-@triton_jit
-def _add_other_splits(acc, partial_ptr, tile_offsets, split, num_splits, split_stride):
-    """``acc`` plus every other split's partial of this tile (read past L1)."""
-    for other in range(0, num_splits):
-        if other != split:
-            acc += tl.load(partial_ptr + other * split_stride + tile_offsets, cache_modifier=".cg")
-    return acc
-
-
-@triton_jit
-def _skinny_gemm_tile(
-    x_ptr,
-    w_ptr,
-    bias_ptr,
-    out_ptr,
-    partial_ptr,
-    counters_ptr,
-    M,
-    N,
-    K,
-    k_per_split,
-    num_splits,
-    stride_x_row,
-    stride_w_row,
-    stride_out_row,
-    HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
-    features = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
-    feature_mask = features < N
-    row_mask = rows < M
-    # Clamped rather than masked: padding rows and features re-read valid ones and are
-    # never stored, so the loads need no mask.
-    safe_features = tl.where(feature_mask, features, 0).to(tl.int64)
-    safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
-    w_rows = w_ptr + safe_features[:, None] * stride_w_row
-    x_rows = x_ptr + safe_rows[:, None] * stride_x_row
-    k_begin = split * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    pdl.wait_for_inputs(USE_PDL)
-
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc = _tile_dot(acc, x_rows, w_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
-    if SILU_MUL:
-        up_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        up_rows = w_rows + N * stride_w_row
-        up_acc = _tile_dot(up_acc, x_rows, up_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
-
-    last = True
-    if SPLIT:
-        # Scratch [num_splits, num_tiles, parts, BLOCK_N, BLOCK_M] float32, one tile contiguous.
-        parts = 2 if SILU_MUL else 1
-        tile_size = BLOCK_N * BLOCK_M
-        split_stride = tl.num_programs(0) * parts * tile_size
-        in_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        tile_offsets = tile * parts * tile_size + in_tile
-        tl.store(partial_ptr + split * split_stride + tile_offsets, acc)
-        if SILU_MUL:
-            tl.store(partial_ptr + split * split_stride + tile_offsets + tile_size, up_acc)
-        counter = counters_ptr + tile
-        last = attention_merge.arrive_last(counter, num_splits)
-        if last:
-            acc = _add_other_splits(acc, partial_ptr, tile_offsets, split, num_splits, split_stride)
-            if SILU_MUL:
-                up_acc = _add_other_splits(
-                    up_acc, partial_ptr, tile_offsets + tile_size, split, num_splits, split_stride
-                )
-            tl.store(counter, 0)  # ready for the next launch (or graph replay)
-    if last:
-        out_type = out_ptr.dtype.element_ty
-        if SILU_MUL:
-            gate = acc.to(out_type).to(tl.float32)
-            up = up_acc.to(out_type).to(tl.float32)
-            y = gate / (1.0 + tl.exp(-gate)) * up
-        else:
-            y = acc
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + safe_features).to(tl.float32)[:, None]
-        offsets = rows.to(tl.int64)[None, :] * stride_out_row + features[:, None]
-        tl.store(
-            out_ptr + offsets,
-            y.to(out_type),
-            mask=feature_mask[:, None] & row_mask[None, :],
-        )
 
 
 # Two kernels over one body, so that a profile tells the gate/up projection that ends in
@@ -184,6 +60,11 @@ def _skinny_gemm_kernel(
     out_ptr,
     partial_ptr,
     counters_ptr,
+    norm_w_ptr,
+    weighted_ptr,
+    in_sums_ptr,
+    residual_ptr,
+    out_sums_ptr,
     M,
     N,
     K,
@@ -192,7 +73,12 @@ def _skinny_gemm_kernel(
     stride_x_row,
     stride_w_row,
     stride_out_row,
+    num_in_groups,
+    eps,
     HAS_BIAS: tl.constexpr,
+    NORMED: tl.constexpr,
+    IN_GROUPS: tl.constexpr,
+    ADD_NORM: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -201,13 +87,18 @@ def _skinny_gemm_kernel(
     DOT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    _skinny_gemm_tile(
+    skinny_tile.skinny_gemm_tile(
         x_ptr,
         w_ptr,
         bias_ptr,
         out_ptr,
         partial_ptr,
         counters_ptr,
+        norm_w_ptr,
+        weighted_ptr,
+        in_sums_ptr,
+        residual_ptr,
+        out_sums_ptr,
         M,
         N,
         K,
@@ -216,8 +107,13 @@ def _skinny_gemm_kernel(
         stride_x_row,
         stride_w_row,
         stride_out_row,
+        num_in_groups,
+        eps,
         HAS_BIAS,
         False,
+        NORMED,
+        IN_GROUPS,
+        ADD_NORM,
         SPLIT,
         BLOCK_M,
         BLOCK_N,
@@ -236,6 +132,11 @@ def _skinny_gemm_silu_and_mul_kernel(
     out_ptr,
     partial_ptr,
     counters_ptr,
+    norm_w_ptr,
+    weighted_ptr,
+    in_sums_ptr,
+    residual_ptr,
+    out_sums_ptr,
     M,
     N,
     K,
@@ -244,7 +145,12 @@ def _skinny_gemm_silu_and_mul_kernel(
     stride_x_row,
     stride_w_row,
     stride_out_row,
+    num_in_groups,
+    eps,
     HAS_BIAS: tl.constexpr,
+    NORMED: tl.constexpr,
+    IN_GROUPS: tl.constexpr,
+    ADD_NORM: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -253,13 +159,18 @@ def _skinny_gemm_silu_and_mul_kernel(
     DOT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    _skinny_gemm_tile(
+    skinny_tile.skinny_gemm_tile(
         x_ptr,
         w_ptr,
         bias_ptr,
         out_ptr,
         partial_ptr,
         counters_ptr,
+        norm_w_ptr,
+        weighted_ptr,
+        in_sums_ptr,
+        residual_ptr,
+        out_sums_ptr,
         M,
         N,
         K,
@@ -268,8 +179,13 @@ def _skinny_gemm_silu_and_mul_kernel(
         stride_x_row,
         stride_w_row,
         stride_out_row,
+        num_in_groups,
+        eps,
         HAS_BIAS,
         True,
+        NORMED,
+        IN_GROUPS,
+        ADD_NORM,
         SPLIT,
         BLOCK_M,
         BLOCK_N,
@@ -295,10 +211,18 @@ def skinny_gemm(
     num_warps: int = 4,
     num_stages: int = 4,
     silu_mul: bool = False,
-) -> torch.Tensor:
+    normed: PendingNorm | None = None,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [M, K] @ weight [N, K].T (+ bias) -> [M, N]`` for ``1 <= M <= 64``; with
     ``silu_mul``, ``weight`` is ``[gate | up]`` (``2 * n`` rows, no bias) and the result
-    ``silu(gate) * up``."""
+    ``silu(gate) * up``.
+
+    With ``normed`` (whose weighted stream is ``x``) the pending RMSNorm's row scale is
+    applied. With ``residual [M, N]`` and ``norm_weight [N]`` the result is ``(s, square
+    sums [M, tiles], s * norm_weight)`` for ``s = round(x @ weight.T) + residual``: what the
+    norm that follows needs (kernels/pending_norm.py)."""
     num_rows, k = x.shape
     if not 0 < num_rows <= MAX_ROWS:
         raise ValueError(f"the skinny GEMM takes 1-{MAX_ROWS} rows, got {num_rows}")
@@ -311,6 +235,8 @@ def skinny_gemm(
         n //= 2
         if bias is not None:
             raise ValueError("silu_mul takes no bias")
+    if residual is not None and (silu_mul or bias is not None):
+        raise ValueError("the residual add takes a plain projection with no bias")
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
@@ -328,6 +254,13 @@ def skinny_gemm(
         counters = split_counters(num_tiles, x.device)
     else:
         partial = counters = out  # unused
+    out_sums = weighted = None
+    if residual is not None:
+        if norm_weight is None:
+            raise ValueError("the residual add needs the norm's weight")
+        residual = residual.contiguous()
+        out_sums = torch.empty((num_rows, num_tiles), dtype=torch.float32, device=x.device)
+        weighted = torch.empty_like(out)
     with_pdl = use_pdl(x)
     kernel = _skinny_gemm_silu_and_mul_kernel if silu_mul else _skinny_gemm_kernel
     kernel[(num_tiles, split_k)](
@@ -337,6 +270,11 @@ def skinny_gemm(
         out,
         partial,
         counters,
+        norm_weight if norm_weight is not None else x,
+        weighted if weighted is not None else x,
+        normed.square_sums if normed is not None else x,
+        residual if residual is not None else x,
+        out_sums if out_sums is not None else x,
         num_rows,
         n,
         k,
@@ -345,7 +283,12 @@ def skinny_gemm(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        normed.num_groups if normed is not None else 1,
+        normed.eps if normed is not None else 0.0,
         HAS_BIAS=bias is not None,
+        NORMED=normed is not None,
+        IN_GROUPS=normed.groups_block if normed is not None else 1,
+        ADD_NORM=residual is not None,
         SPLIT=split_k > 1,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -357,7 +300,17 @@ def skinny_gemm(
         num_stages=num_stages,
         **pdl.launch_options(with_pdl),
     )
-    return out
+    return out if out_sums is None else (out, out_sums, weighted)
+
+
+def _tile_args(config: LinearConfig) -> tuple[int, ...]:
+    return (
+        config.block_n,
+        config.block_k,
+        config.split_k,
+        config.num_warps,
+        config.num_stages,
+    )
 
 
 def skinny_gemm_with(
@@ -366,16 +319,24 @@ def skinny_gemm_with(
     bias: torch.Tensor | None,
     config: LinearConfig,
     silu_mul: bool = False,
+    normed: PendingNorm | None = None,
 ) -> torch.Tensor:
     """``skinny_gemm`` with the tile of a ``LinearConfig`` (kernels/linear_configs.py)."""
-    return skinny_gemm(
-        x,
-        weight,
-        bias,
-        config.block_n,
-        config.block_k,
-        config.split_k,
-        config.num_warps,
-        config.num_stages,
-        silu_mul=silu_mul,
+    out = skinny_gemm(x, weight, bias, *_tile_args(config), silu_mul=silu_mul, normed=normed)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def skinny_gemm_add_residual(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    config: LinearConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``skinny_gemm`` ending in the residual add, with a ``LinearConfig``'s tile."""
+    out = skinny_gemm(
+        x, weight, None, *_tile_args(config), residual=residual, norm_weight=norm_weight
     )
+    assert isinstance(out, tuple)
+    return out

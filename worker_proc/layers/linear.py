@@ -14,6 +14,8 @@ range from the file. A plain tensor works the same.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -25,6 +27,9 @@ from worker_proc.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from worker_proc.weight_slice import WeightSlice, read_whole
+
+if TYPE_CHECKING:
+    from worker_proc.layers.norm import RMSNorm
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -80,7 +85,7 @@ class ColumnParallelLinear(nn.Module):
         _check_shape(param, loaded, type(self).__name__)
         param.data.copy_(loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | kernels.PendingNorm) -> torch.Tensor:
         out = kernels.linear(x, self.weight, self.bias)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
@@ -105,7 +110,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _check_shape(target, loaded, f"{type(self).__name__}[{shard_id}]")
         target.copy_(loaded)
 
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_silu_and_mul(self, x: torch.Tensor | kernels.PendingNorm) -> torch.Tensor:
         """``silu(gate) * up`` of a ``[gate | up]`` layer, fused into the projection where
         the kernels can (one decode row, no bias)."""
         if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
@@ -187,6 +192,16 @@ class RowParallelLinear(nn.Module):
         loaded = loaded_weight.narrow(1, self.tp_rank * shard, shard)
         _check_shape(param, loaded, type(self).__name__)
         param.data.copy_(loaded)
+
+    def forward_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor | kernels.PendingNorm, torch.Tensor]:
+        """``(norm(self(x) + residual), self(x) + residual)``. On one rank the add ends the
+        projection's kernel and the norm may come back pending, for the next projection to
+        apply (kernels/linear_norm.py); shards add after their all-reduce."""
+        if self.tp_size > 1 or self.bias is not None:
+            return norm(self(x), residual)
+        return kernels.linear_add_rms_norm(x, self.weight, residual, norm.weight, norm.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = kernels.linear(x, self.weight)

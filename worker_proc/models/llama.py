@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+import kernels
 from worker_proc.layers.attention import Attention
 from worker_proc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_proc.layers.linear import (
@@ -28,6 +29,9 @@ from worker_proc.layers.linear import (
 from worker_proc.layers.norm import RMSNorm
 from worker_proc.layers.rotary import RotaryEmbedding
 from worker_proc.model_config import ModelConfig
+
+# A layer's normed input: a tensor, or the norm pending in the projection that reads it.
+Activation = torch.Tensor | kernels.PendingNorm
 
 
 class LlamaAttention(nn.Module):
@@ -60,13 +64,20 @@ class LlamaAttention(nn.Module):
         before rope return ``(q weight, k weight, eps)``."""
         return None
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: Activation,
+        residual: torch.Tensor,
+        norm: RMSNorm,
+    ) -> tuple[Activation, torch.Tensor]:
+        """``(norm(attention + residual), attention + residual)``."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Rotary embedding (and any q/k norm) is applied inside the attention layer, fused
         # with the KV write.
         out = self.attn(q, k, v, positions, self.rotary_emb, self.qk_norm())
-        return self.o_proj(out)
+        return self.o_proj.forward_add_norm(out, residual, norm)
 
 
 class LlamaMLP(nn.Module):
@@ -81,9 +92,13 @@ class LlamaMLP(nn.Module):
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # At one decode row the activation is the gate/up GEMV's epilogue: one kernel less.
-        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
+    def forward(
+        self, x: Activation, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[Activation, torch.Tensor]:
+        """``(norm(mlp + residual), mlp + residual)``."""
+        # At decode rows the activation is the gate/up projection's epilogue: one kernel less.
+        activation = self.gate_up_proj.forward_silu_and_mul(x)
+        return self.down_proj.forward_add_norm(activation, residual, norm)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -99,18 +114,18 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of each sublayer is fused into the norm that follows it.
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        hidden_states: Activation,
+        residual: torch.Tensor,
+        next_norm: RMSNorm,
+    ) -> tuple[Activation, torch.Tensor]:
+        """``hidden_states`` is this layer's normed input (its ``input_layernorm`` of the
+        ``residual`` stream); returns ``next_norm`` of the stream after the layer, and that
+        stream. The residual add of each sublayer ends its output projection, and the norm
+        after it may be left for the next projection to apply (kernels/pending_norm.py)."""
+        hidden_states, residual = self.self_attn(
+            positions, hidden_states, residual, self.post_attention_layernorm
+        )
+        return self.mlp(hidden_states, residual, next_norm)
 
 
 class LlamaModel(nn.Module):
@@ -132,12 +147,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        residual = self.embed_tokens(input_ids)
+        hidden_states: Activation = self.layers[0].input_layernorm(residual)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, next_norms, strict=True):
+            hidden_states, residual = layer(positions, hidden_states, residual, next_norm)
+        # The LM head takes only the rows the runner samples, so the final norm is applied.
+        return kernels.as_tensor(hidden_states)
 
 
 # Checkpoint projections that land in one fused parameter: (fused, checkpoint name, shard).

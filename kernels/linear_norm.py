@@ -1,0 +1,69 @@
+"""A projection ending in the residual add, with the RMSNorm after it left pending.
+
+``linear_add_rms_norm(x, weight, residual, norm_weight, eps)`` is
+``fused_add_rms_norm(x @ weight.T, residual, norm_weight, eps)``: it returns the normed
+activation and the new residual stream. Where the Triton kernels run the projection (one
+row: the GEMV; 2-64 rows: the skinny GEMM, where the table picks it) the add is the
+projection's epilogue and the normed activation comes back as a ``PendingNorm``: the next
+projection (``kernels.linear``, ``kernels.linear_silu_and_mul``) applies it as it loads its
+input, so the add+RMSNorm kernel between the two is gone (kernels/pending_norm.py).
+Elsewhere, and with ``PEGAINFER_NORM_FUSION=0``, the two steps run as before.
+
+The reference is those two steps' references. With tensor-parallel row shards the add
+must follow the all-reduce, so the layers use this only on one rank.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.linear import (
+    LinearConfig,
+    linear,
+    linear_add_residual_triton,
+    linear_ref,
+    triton_eligible,
+)
+from kernels.linear_configs import pick_config
+from kernels.pending_norm import PendingNorm
+from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref
+from kernels.skinny_gemm import MAX_ROWS
+
+
+def linear_add_rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x @ weight.T + residual), x @ weight.T + residual)``."""
+    return fused_add_rms_norm_ref(linear_ref(x, weight), residual, norm_weight, eps)
+
+
+def fusion_config(x: torch.Tensor, weight: torch.Tensor) -> LinearConfig | None:
+    """The Triton tile that ends in the residual add for ``x [M, K]``, or None."""
+    if os.environ.get("PEGAINFER_NORM_FUSION", "1") in ("0", "false", "off"):
+        return None
+    if x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or not triton_eligible(x, weight):
+        return None
+    return pick_config(x.shape[0], *weight.shape)
+
+
+def linear_add_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+    """``(normed, new residual)``; ``normed`` may be a ``PendingNorm`` (see above)."""
+    config = fusion_config(x, weight)
+    if config is None or residual.dtype != x.dtype:
+        return fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps)
+    stream, square_sums, weighted = linear_add_residual_triton(
+        x, weight, residual, norm_weight, config
+    )
+    return PendingNorm(stream, norm_weight, eps, square_sums, weighted), stream

@@ -1,0 +1,165 @@
+"""The body of the skinny GEMM's kernels (kernels/skinny_gemm.py): one program's tile of
+``BLOCK_N`` output features over one split of K, the merge of the splits by the last to
+arrive, and the epilogues (bias, silu-and-mul, the pending norm of kernels/pending_norm.py).
+"""
+
+from __future__ import annotations
+
+from kernels import attention_merge, pdl, pending_norm
+from kernels.backend import triton_jit
+
+tl = None  # bound to triton.language by kernels.backend.load_triton()
+
+
+@triton_jit
+def _tile_dot(
+    acc,
+    x_rows,
+    w_rows,
+    k_begin,
+    k_end,
+    K,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """``acc += w[features, k_begin:k_end] @ x[rows, k_begin:k_end].T``."""
+    for k_start in range(k_begin, k_end, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_rows + ks[None, :])
+            x = tl.load(x_rows + ks[None, :])
+        else:
+            k_mask = ks < K
+            w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+        if DOT_FP32:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(w, tl.trans(x), acc)
+    return acc
+
+
+@triton_jit
+def _add_other_splits(acc, partial_ptr, tile_offsets, split, num_splits, split_stride):
+    """``acc`` plus every other split's partial of this tile (read past L1)."""
+    for other in range(0, num_splits):
+        if other != split:
+            acc += tl.load(partial_ptr + other * split_stride + tile_offsets, cache_modifier=".cg")
+    return acc
+
+
+@triton_jit
+def skinny_gemm_tile(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    partial_ptr,
+    counters_ptr,
+    norm_w_ptr,
+    weighted_ptr,
+    in_sums_ptr,
+    residual_ptr,
+    out_sums_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    num_splits,
+    stride_x_row,
+    stride_w_row,
+    stride_out_row,
+    num_in_groups,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    NORMED: tl.constexpr,
+    IN_GROUPS: tl.constexpr,
+    ADD_NORM: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    features = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    feature_mask = features < N
+    row_mask = rows < M
+    # Clamped rather than masked: padding rows and features re-read valid ones and are
+    # never stored, so the loads need no mask.
+    safe_features = tl.where(feature_mask, features, 0).to(tl.int64)
+    safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
+    w_rows = w_ptr + safe_features[:, None] * stride_w_row
+    x_rows = x_ptr + safe_rows[:, None] * stride_x_row
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    pdl.wait_for_inputs(USE_PDL)
+    if NORMED:
+        inv_rms = pending_norm.inverse_rms(
+            in_sums_ptr, rows, row_mask, num_in_groups, num_in_groups, K, eps, IN_GROUPS
+        )
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = _tile_dot(acc, x_rows, w_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
+    if SILU_MUL:
+        up_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        up_rows = w_rows + N * stride_w_row
+        up_acc = _tile_dot(up_acc, x_rows, up_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
+
+    last = True
+    if SPLIT:
+        # Scratch [num_splits, num_tiles, parts, BLOCK_N, BLOCK_M] float32, one tile contiguous.
+        parts = 2 if SILU_MUL else 1
+        tile_size = BLOCK_N * BLOCK_M
+        split_stride = tl.num_programs(0) * parts * tile_size
+        in_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tile_offsets = tile * parts * tile_size + in_tile
+        tl.store(partial_ptr + split * split_stride + tile_offsets, acc)
+        if SILU_MUL:
+            tl.store(partial_ptr + split * split_stride + tile_offsets + tile_size, up_acc)
+        counter = counters_ptr + tile
+        last = attention_merge.arrive_last(counter, num_splits)
+        if last:
+            acc = _add_other_splits(acc, partial_ptr, tile_offsets, split, num_splits, split_stride)
+            if SILU_MUL:
+                up_acc = _add_other_splits(
+                    up_acc, partial_ptr, tile_offsets + tile_size, split, num_splits, split_stride
+                )
+            tl.store(counter, 0)  # ready for the next launch (or graph replay)
+    if last:
+        out_type = out_ptr.dtype.element_ty
+        if NORMED:
+            acc *= inv_rms[None, :]
+            if SILU_MUL:
+                up_acc *= inv_rms[None, :]
+        if SILU_MUL:
+            gate = acc.to(out_type).to(tl.float32)
+            up = up_acc.to(out_type).to(tl.float32)
+            y = gate / (1.0 + tl.exp(-gate)) * up
+        else:
+            y = acc
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + safe_features).to(tl.float32)[:, None]
+        offsets = rows.to(tl.int64)[None, :] * stride_out_row + features[:, None]
+        mask = feature_mask[:, None] & row_mask[None, :]
+        if ADD_NORM:
+            norm_w = tl.load(norm_w_ptr + safe_features).to(tl.float32)[:, None]
+            squares = pending_norm.add_residual_and_square(
+                y,
+                residual_ptr + offsets,
+                out_ptr + offsets,
+                norm_w,
+                weighted_ptr + offsets,
+                mask,
+                0,
+            )
+            sums_offsets = rows.to(tl.int64) * tl.num_programs(0) + tile
+            tl.store(out_sums_ptr + sums_offsets, squares, mask=row_mask)
+        else:
+            tl.store(out_ptr + offsets, y.to(out_type), mask=mask)
