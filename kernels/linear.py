@@ -111,8 +111,8 @@ def _gemv_kernel(
     w_rows = w_ptr + safe_features[:, None] * stride_w_row
     pdl.wait_for_inputs(USE_PDL)
     if NORMED:
-        inv_rms = pending_norm.inverse_rms(
-            in_sums_ptr, rows, row_mask, num_in_groups, num_in_groups, K, eps, IN_GROUPS
+        square_sums = pending_norm.load_square_sums(
+            in_sums_ptr, rows, row_mask, num_in_groups, num_in_groups, IN_GROUPS
         )
     x_rows = x_ptr + safe_rows[:, None] * stride_x_row
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -128,7 +128,7 @@ def _gemv_kernel(
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
     if NORMED:
-        y *= inv_rms[:, None]
+        y *= pending_norm.inverse_rms(square_sums, K, eps)[:, None]
     if HAS_BIAS:
         y += tl.load(bias_ptr + safe_features).to(tl.float32)[None, :]
     offsets = rows.to(tl.int64)[:, None] * stride_out_row + features[None, :]

@@ -40,35 +40,22 @@ def linear_silu_and_mul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
 
 @triton_jit
-def _row_dot(
-    x_ptr,
-    w_rows,
-    K,
-    scale,
-    NORMED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """``BLOCK_N`` dot products of one activation row with the weight rows at ``w_rows``,
-    rounded to the activation dtype as a stored projection output would be. With
-    ``NORMED`` the row is a pending norm's weighted stream, and the products are scaled by
-    ``scale`` (1 / rms)."""
+def _row_dot(x_ptr, w_rows, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """``BLOCK_N`` float32 dot products of one activation row with the weight rows at
+    ``w_rows``; the caller rounds them to the activation dtype, as a stored projection
+    output would be."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_rows + ks[None, :])
-            x = tl.load(x_ptr + ks).to(tl.float32)
+            x = tl.load(x_ptr + ks)
         else:
             k_mask = ks < K
             w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        acc += x[None, :] * w.to(tl.float32)
-    y = tl.sum(acc, axis=1)
-    if NORMED:
-        y *= scale
-    return y.to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
+        acc += x.to(tl.float32)[None, :] * w.to(tl.float32)
+    return tl.sum(acc, axis=1)
 
 
 @triton_jit
@@ -95,16 +82,20 @@ def _gemv_silu_and_mul_kernel(
     gate_rows = w_ptr + safe_features[:, None] * stride_w_row
     up_rows = w_ptr + (safe_features + N)[:, None] * stride_w_row
     pdl.wait_for_inputs(USE_PDL)
-    scale = 1.0
     if NORMED:
         row = tl.arange(0, 1)
-        scale = tl.sum(
-            pending_norm.inverse_rms(
-                in_sums_ptr, row, row < 1, num_in_groups, num_in_groups, K, eps, IN_GROUPS
-            )
+        square_sums = pending_norm.load_square_sums(
+            in_sums_ptr, row, row < 1, num_in_groups, num_in_groups, IN_GROUPS
         )
-    gate = _row_dot(x_ptr, gate_rows, K, scale, NORMED, BLOCK_N, BLOCK_K, EVEN_K)
-    up = _row_dot(x_ptr, up_rows, K, scale, NORMED, BLOCK_N, BLOCK_K, EVEN_K)
+    gate = _row_dot(x_ptr, gate_rows, K, BLOCK_N, BLOCK_K, EVEN_K)
+    up = _row_dot(x_ptr, up_rows, K, BLOCK_N, BLOCK_K, EVEN_K)
+    if NORMED:
+        inv_rms = tl.sum(pending_norm.inverse_rms(square_sums, K, eps))
+        gate *= inv_rms
+        up *= inv_rms
+    out_type = out_ptr.dtype.element_ty
+    gate = gate.to(out_type).to(tl.float32)
+    up = up.to(out_type).to(tl.float32)
     silu = gate / (1.0 + tl.exp(-gate))
     tl.store(out_ptr + features, (silu * up).to(out_ptr.dtype.element_ty), mask=feature_mask)
 

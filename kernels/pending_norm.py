@@ -91,17 +91,23 @@ def add_residual_and_square(
 
 
 @triton_jit
-def inverse_rms(
-    sums_ptr, rows, row_mask, num_groups, stride_sums_row, hidden, eps, GROUPS: tl.constexpr
-):
-    """``1 / sqrt(mean square + eps)`` of each row, from its ``num_groups`` slots.
+def load_square_sums(sums_ptr, rows, row_mask, num_groups, stride_sums_row, GROUPS: tl.constexpr):
+    """The rows' ``[rows, GROUPS]`` slots of sums of squares, 0 past ``num_groups``.
 
-    Read past L1 (``.cg``): the producing kernel wrote the slots from other SMs."""
+    A consumer issues this load before its main loop and reduces it with ``inverse_rms``
+    after: used at once, its L2 round trip would hold back the loop's first weight loads in
+    every program. Read past L1 (``.cg``): the producing kernel wrote the slots from other
+    SMs."""
     groups = tl.arange(0, GROUPS)
-    parts = tl.load(
+    return tl.load(
         sums_ptr + rows.to(tl.int64)[:, None] * stride_sums_row + groups[None, :],
         mask=row_mask[:, None] & (groups < num_groups)[None, :],
         other=0.0,
         cache_modifier=".cg",
     )
-    return 1.0 / tl.sqrt(tl.sum(parts, axis=1) / hidden + eps)
+
+
+@triton_jit
+def inverse_rms(square_sums, hidden, eps):
+    """``1 / sqrt(mean square + eps)`` of each row, from ``load_square_sums``."""
+    return 1.0 / tl.sqrt(tl.sum(square_sums, axis=1) / hidden + eps)

@@ -101,8 +101,8 @@ def skinny_gemm_tile(
     k_end = tl.minimum(k_begin + k_per_split, K)
     pdl.wait_for_inputs(USE_PDL)
     if NORMED:
-        inv_rms = pending_norm.inverse_rms(
-            in_sums_ptr, rows, row_mask, num_in_groups, num_in_groups, K, eps, IN_GROUPS
+        square_sums = pending_norm.load_square_sums(
+            in_sums_ptr, rows, row_mask, num_in_groups, num_in_groups, IN_GROUPS
         )
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -135,6 +135,7 @@ def skinny_gemm_tile(
     if last:
         out_type = out_ptr.dtype.element_ty
         if NORMED:
+            inv_rms = pending_norm.inverse_rms(square_sums, K, eps)
             acc *= inv_rms[None, :]
             if SILU_MUL:
                 up_acc *= inv_rms[None, :]

@@ -16,7 +16,7 @@ import kernels
 from kernels.attention_merge import split_counters
 from kernels.linear import LinearConfig, linear_add_residual_triton, linear_ref, linear_triton
 from kernels.linear_fused import linear_silu_and_mul_ref, linear_silu_and_mul_triton
-from kernels.linear_norm import linear_add_rms_norm, linear_add_rms_norm_ref
+from kernels.linear_norm import fused_rows_limit, linear_add_rms_norm, linear_add_rms_norm_ref
 from kernels.pending_norm import PendingNorm, as_tensor
 from kernels.rmsnorm import rms_norm_ref
 from kernels.skinny_gemm import skinny_gemm
@@ -141,6 +141,14 @@ def test_dispatch_falls_back_where_no_kernel_fuses(monkeypatch):
     x, weight, residual, norm_weight = _producer_inputs(100, 256, 128, torch.bfloat16, 29)
     normed, _ = linear_add_rms_norm(x, weight, residual, norm_weight, EPS)
     assert isinstance(normed, torch.Tensor)  # past 64 rows: cuBLAS and the norm kernel
+    assert fused_rows_limit() == 1
+    normed, _ = linear_add_rms_norm(x[:1], weight, residual[:1], norm_weight, EPS)
+    assert isinstance(normed, PendingNorm)  # one row: the GEMV ends in the add
+    normed, _ = linear_add_rms_norm(x[:8], weight, residual[:8], norm_weight, EPS)
+    assert isinstance(normed, torch.Tensor)  # 2-64 rows fuse only with "all"
+    monkeypatch.setenv("PEGAINFER_NORM_FUSION", "all")
+    normed, _ = linear_add_rms_norm(x[:8], weight, residual[:8], norm_weight, EPS)
+    assert isinstance(normed, PendingNorm)
     monkeypatch.setenv("PEGAINFER_NORM_FUSION", "0")
     normed, _ = linear_add_rms_norm(x[:1], weight, residual[:1], norm_weight, EPS)
     assert isinstance(normed, torch.Tensor)
@@ -154,11 +162,12 @@ CHAINS = [("o -> gate_up", 2560, 4096, 19456, True), ("down -> qkv", 2560, 9728,
 @pytest.mark.parametrize("rows", [1, 2, 8, 32, 64])
 @pytest.mark.parametrize("name,hidden,k,n_next,silu_mul", CHAINS, ids=[c[0] for c in CHAINS])
 def test_real_chain_in_a_graph_matches_and_repeats_bit_for_bit(
-    name, hidden, k, n_next, silu_mul, rows
+    name, hidden, k, n_next, silu_mul, rows, monkeypatch
 ):
     """Producer and consumer as the decode step dispatches them, captured in a CUDA graph and
     replayed on fresh inputs: the result matches the reference, and a second replay of the
     same inputs gives the same bits (the sums do not depend on which program ends first)."""
+    monkeypatch.setenv("PEGAINFER_NORM_FUSION", "all")
     dtype = torch.bfloat16
     x, weight, residual, norm_weight = _producer_inputs(rows, hidden, k, dtype, rows + k)
     next_weight = randn(n_next, hidden, g=gen(31), dtype=dtype, scale=hidden**-0.5)
