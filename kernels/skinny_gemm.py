@@ -20,6 +20,9 @@ gate rows of its features and the up rows ``intermediate`` further on, keeps two
 accumulators, and rounds both to the activation dtype before the epilogue, as the two
 separate kernels would.
 
+A projection can also end in the residual add of a pending RMSNorm, or apply one on its
+way in (``ADD_NORM`` and ``NORMED``, kernels/pending_norm.py).
+
 ``linear_ref`` and ``linear_silu_and_mul_ref`` are the references. Which tile and split a
 shape takes comes from ``kernels/linear_configs.py``. On an H200 (Qwen3-4B, CUDA graphs,
 weights out of L2) it beat cuBLAS at 8 and 32 rows on every projection: o 8.4 against 9.7 us
