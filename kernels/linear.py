@@ -97,6 +97,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ACC_3D: tl.constexpr,
 ):
     # Row tiles vary fastest, so programs sharing a weight tile run side by side and all but
     # the first read it from L2. Within a program every row uses each weight tile loaded.
@@ -115,18 +116,35 @@ def _gemv_kernel(
             in_sums_ptr, rows, row_mask, num_in_groups, num_in_groups, IN_GROUPS
         )
     x_rows = x_ptr + safe_rows[:, None] * stride_x_row
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        ks = k_start + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_rows + ks[None, :])
-            x = tl.load(x_rows + ks[None, :]).to(tl.float32)
-        else:
-            k_mask = ks < K
-            w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
-            x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
-    y = tl.sum(acc, axis=2)
+    if BLOCK_M == 1 and not ACC_3D:
+        # One row: the accumulator keeps the weight tile's own layout, so the loop has no
+        # layout conversion. The [rows, features, K] form below converts both tiles through
+        # shared memory every step (four barriers an iteration on sm_90).
+        acc_2d = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k_start in range(0, K, BLOCK_K):
+            ks = k_start + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w = tl.load(w_rows + ks[None, :])
+                x = tl.load(x_rows + ks[None, :]).to(tl.float32)
+            else:
+                k_mask = ks < K
+                w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+                x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+            acc_2d += x * w.to(tl.float32)
+        y = tl.sum(acc_2d, axis=1)[None, :]
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k_start in range(0, K, BLOCK_K):
+            ks = k_start + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w = tl.load(w_rows + ks[None, :])
+                x = tl.load(x_rows + ks[None, :]).to(tl.float32)
+            else:
+                k_mask = ks < K
+                w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+                x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+            acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        y = tl.sum(acc, axis=2)
     if NORMED:
         y *= pending_norm.inverse_rms(square_sums, K, eps)[:, None]
     if HAS_BIAS:
@@ -238,6 +256,7 @@ def _gemv(
         BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0,
         USE_PDL=with_pdl,
+        ACC_3D=os.environ.get("PEGAINFER_GEMV_3D", "0") == "1",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl.launch_options(with_pdl),

@@ -90,9 +90,10 @@ def candidates(
     found = []
     if rows == 1:
         for block_n, block_k, warps in itertools.product(
-            (1, 2, 4, 8, 16), (128, 256, 512, 1024, 2048), (2, 4, 8)
+            (1, 2, 4, 8, 16), (128, 256, 512, 1024, 2048, 4096), (2, 4, 8)
         ):
-            if block_n * block_k <= 4096 * warps and block_k >= 32 * warps:
+            fits = block_n * block_k <= 4096 * warps and block_k >= 32 * warps
+            if fits and block_k < 2 * k:
                 found.append(LinearConfig("gemv", block_n, block_k, warps))
         return found
     grid = grid or DEFAULT_GRID
