@@ -97,7 +97,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
-    ACC_3D: tl.constexpr,
 ):
     # Row tiles vary fastest, so programs sharing a weight tile run side by side and all but
     # the first read it from L2. Within a program every row uses each weight tile loaded.
@@ -116,10 +115,11 @@ def _gemv_kernel(
             in_sums_ptr, rows, row_mask, num_in_groups, num_in_groups, IN_GROUPS
         )
     x_rows = x_ptr + safe_rows[:, None] * stride_x_row
-    if BLOCK_M == 1 and not ACC_3D:
+    if BLOCK_M == 1:
         # One row: the accumulator keeps the weight tile's own layout, so the loop has no
         # layout conversion. The [rows, features, K] form below converts both tiles through
-        # shared memory every step (four barriers an iteration on sm_90).
+        # shared memory every step (four barriers an iteration on sm_90); at one row it made
+        # a Qwen3-4B decode step 2% slower on an H200 (2.61-2.62 against 2.57 ms).
         acc_2d = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k_start in range(0, K, BLOCK_K):
             ks = k_start + tl.arange(0, BLOCK_K)
@@ -256,7 +256,6 @@ def _gemv(
         BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0,
         USE_PDL=with_pdl,
-        ACC_3D=os.environ.get("PEGAINFER_GEMV_3D", "0") == "1",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl.launch_options(with_pdl),

@@ -102,7 +102,9 @@ def test_one_row_tiles_can_be_overridden_from_the_environment(monkeypatch):
     monkeypatch.setenv("PEGAINFER_LINEAR_TILES", "48,64=8,32,2; 16,64=2,64,4,2")
     assert pick_config(1, 48, 64) == LinearConfig("gemv", 8, 32, 2)
     assert pick_config(1, 16, 64) == LinearConfig("gemv", 2, 64, 4, num_stages=2)
-    assert pick_config(1, 48, 128) == LinearConfig("gemv", 4, 512, 2)  # other shapes: the rules
+    assert pick_config(1, 48, 128) == LinearConfig("gemv", 2, 512, 2)  # other shapes: the rules
+    assert pick_config(1, 19456, 2560) == LinearConfig("gemv", 4, 512, 2)  # wide: 4 features
+    assert pick_config(1, 2560, 4096) == LinearConfig("gemv", 2, 1024, 4)
     assert pick_config(2, 48, 64).kind == "skinny"  # and other row counts
     x, weight, _ = _inputs(1, 48, 64, torch.bfloat16, 5, False)
     with poisoned():
