@@ -16,6 +16,10 @@ least ``min_split_tokens`` per split, at most ``max_splits``), so the grid depen
 host integers. That keeps the launch CUDA-graph capturable: a graph captured with
 ``max_context_len = max_model_len`` replays correctly for any context length; splits a
 short sequence does not need exit at once.
+
+The step's rotary, q/k norm and KV write stay a kernel of their own (kernels/rotary.py):
+done inside this kernel, by every split program before its first K/V load, they made
+batch-1 decode slower on an H200 (2.57 against 2.55 ms a step at context 128).
 """
 
 from __future__ import annotations

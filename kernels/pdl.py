@@ -19,7 +19,9 @@ weight slice (and of decode attention's first K/V tile) made batch-1 decode 3.20
 against 2.70 ms with none, and loading the first weight tile into registers gave 2.72 ms.
 Letting the successor launch only when a kernel ends (no explicit trigger) gave 2.86 ms.
 The skinny GEMM of 2-64 rows reading one or two weight tiles before the wait was 0.1-0.5 us
-slower a projection than reading none (``tools/tune_linear``, 8 and 32 rows).
+slower a projection than reading none (``tools/tune_linear``, 8 and 32 rows). Extra programs
+of decode attention's grid prefetching the o projection's weight into L2 (no wait, no fork)
+made batch-1 decode 2.64-2.69 ms a step against 2.60 (tools/README.md).
 
 A kernel launched without PDL (cuBLAS, torch's own) keeps full stream order on both sides.
 ``kernels.backend.use_pdl`` decides whether a launch uses it (never on CPU, in Triton's
