@@ -115,35 +115,30 @@ def _gemv_kernel(
             in_sums_ptr, rows, row_mask, num_in_groups, num_in_groups, IN_GROUPS
         )
     x_rows = x_ptr + safe_rows[:, None] * stride_x_row
+    # One row: the accumulator keeps the weight tile's own layout, so the loop has no layout
+    # conversion. The [rows, features, K] form converts both tiles through shared memory every
+    # step (four barriers an iteration on sm_90); at one row it made a Qwen3-4B decode step 2%
+    # slower on an H200 (2.61-2.62 against 2.57 ms).
     if BLOCK_M == 1:
-        # One row: the accumulator keeps the weight tile's own layout, so the loop has no
-        # layout conversion. The [rows, features, K] form below converts both tiles through
-        # shared memory every step (four barriers an iteration on sm_90); at one row it made
-        # a Qwen3-4B decode step 2% slower on an H200 (2.61-2.62 against 2.57 ms).
-        acc_2d = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k_start in range(0, K, BLOCK_K):
-            ks = k_start + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                w = tl.load(w_rows + ks[None, :])
-                x = tl.load(x_rows + ks[None, :]).to(tl.float32)
-            else:
-                k_mask = ks < K
-                w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
-                x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
-            acc_2d += x * w.to(tl.float32)
-        y = tl.sum(acc_2d, axis=1)[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k_start in range(0, K, BLOCK_K):
-            ks = k_start + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                w = tl.load(w_rows + ks[None, :])
-                x = tl.load(x_rows + ks[None, :]).to(tl.float32)
-            else:
-                k_mask = ks < K
-                w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
-                x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_rows + ks[None, :])
+            x = tl.load(x_rows + ks[None, :]).to(tl.float32)
+        else:
+            k_mask = ks < K
+            w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+        if BLOCK_M == 1:
+            acc += x * w.to(tl.float32)
+        else:
             acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+    if BLOCK_M == 1:
+        y = tl.sum(acc, axis=1)[None, :]
+    else:
         y = tl.sum(acc, axis=2)
     if NORMED:
         y *= pending_norm.inverse_rms(square_sums, K, eps)[:, None]
