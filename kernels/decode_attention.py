@@ -282,6 +282,10 @@ def paged_decode_attention_triton(
         # of L2, a 40k-token grid bound), against one stage for one sequence and two for
         # more: one sequence at 16k 29.6 against 35.0 us, at 4k 12.6 against 13.0; 8 at 1k
         # 17.1 against 17.9; within 0.4 us elsewhere (one sequence at 1-1k, 2-64 at 1k).
+        # Three stages fetch the block table two tiles ahead but hold one K/V buffer; five
+        # hold two. Five measured slower in whole steps (batch 1: 2.74 against 2.56 ms at
+        # context 128, 2.96 against 2.84 at 4k); alone they won only with 32-key tiles at 4k
+        # and longer (4k: 10.96 against 11.56 us), and lost at 128 and at 8-64 sequences.
         num_stages = 3
     if single:
         partial_out = partial_lse = out  # unused by the single-split kernel

@@ -45,7 +45,8 @@ def group_tiles_now() -> int:
 class LinearConfig:
     """One launch shape. ``kind`` is "gemv" (``block_m`` rows per program, any power of
     two) or "skinny" (kernels/skinny_gemm.py: all rows, up to 64, in one tile; ``split_k``
-    programs over K)."""
+    programs over K; ``paired``: the gate/up projection with silu-and-mul reads its gate and
+    up rows in one K loop instead of one loop after the other)."""
 
     kind: str
     block_n: int
@@ -54,6 +55,7 @@ class LinearConfig:
     block_m: int = 1
     split_k: int = 1
     num_stages: int = 3
+    paired: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("gemv", "skinny"):

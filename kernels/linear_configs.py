@@ -102,6 +102,7 @@ def parse_table(payload: dict[str, Any]) -> dict[TableKey, LinearConfig | None]:
             key[0],
             int(entry["split_k"]),
             int(entry["num_stages"]),
+            bool(entry.get("paired", False)),
         )
     return table
 

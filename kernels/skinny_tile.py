@@ -41,6 +41,43 @@ def _tile_dot(
 
 
 @triton_jit
+def _tile_dot_pair(
+    acc,
+    up_acc,
+    x_rows,
+    w_rows,
+    up_rows,
+    k_begin,
+    k_end,
+    K,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """``_tile_dot`` of the gate rows and the up rows in one K loop: each activation tile is
+    read once for both, and one load pipeline runs from the first K step to the last."""
+    for k_start in range(k_begin, k_end, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_rows + ks[None, :])
+            up_w = tl.load(up_rows + ks[None, :])
+            x = tl.load(x_rows + ks[None, :])
+        else:
+            k_mask = ks < K
+            w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+            up_w = tl.load(up_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+        if DOT_FP32:
+            w = w.to(tl.float32)
+            up_w = up_w.to(tl.float32)
+            x = x.to(tl.float32)
+        x_t = tl.trans(x)
+        acc = tl.dot(w, x_t, acc)
+        up_acc = tl.dot(up_w, x_t, up_acc)
+    return acc, up_acc
+
+
+@triton_jit
 def _add_other_splits(acc, partial_ptr, tile_offsets, split, num_splits, split_stride):
     """``acc`` plus every other split's partial of this tile (read past L1)."""
     for other in range(0, num_splits):
@@ -84,6 +121,7 @@ def skinny_gemm_tile(
     EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PAIRED: tl.constexpr = True,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -106,11 +144,30 @@ def skinny_gemm_tile(
         )
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc = _tile_dot(acc, x_rows, w_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
     if SILU_MUL:
         up_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        up_rows = w_rows + N * stride_w_row
-        up_acc = _tile_dot(up_acc, x_rows, up_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
+        if PAIRED:
+            acc, up_acc = _tile_dot_pair(
+                acc,
+                up_acc,
+                x_rows,
+                w_rows,
+                w_rows + N * stride_w_row,
+                k_begin,
+                k_end,
+                K,
+                BLOCK_K,
+                EVEN_K,
+                DOT_FP32,
+            )
+        else:
+            acc = _tile_dot(acc, x_rows, w_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
+            up_rows = w_rows + N * stride_w_row
+            up_acc = _tile_dot(
+                up_acc, x_rows, up_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32
+            )
+    else:
+        acc = _tile_dot(acc, x_rows, w_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
 
     last = True
     if SPLIT:

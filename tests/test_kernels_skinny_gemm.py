@@ -57,19 +57,27 @@ def _counters_clear() -> bool:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize(
+    "silu_mul,paired",
+    [(False, False), (True, False), (True, True)],
+    ids=["plain", "silu_mul", "silu_mul_paired"],
+)
 @pytest.mark.parametrize("rows,n,k,block_n,block_k,split_k", CASES)
-def test_skinny_gemm_matches_reference(dtype, silu_mul, rows, n, k, block_n, block_k, split_k):
+def test_skinny_gemm_matches_reference(
+    dtype, silu_mul, paired, rows, n, k, block_n, block_k, split_k
+):
     x, weight = _operands(rows, 2 * n if silu_mul else n, k, dtype, rows + n + k)
     with poisoned():
-        out = skinny_gemm(x, weight, None, block_n, block_k, split_k, silu_mul=silu_mul)
+        out = skinny_gemm(
+            x, weight, None, block_n, block_k, split_k, silu_mul=silu_mul, paired=paired
+        )
     want = _reference(x, weight, silu_mul)
     if silu_mul and not CUDA and dtype == torch.bfloat16:
         # Triton's interpreter truncates float32 -> bfloat16 where a GPU rounds; with three
         # such casts in a row the error adds up, so the reference truncates too.
         gate, up = _truncated(x.float() @ weight.float().T).chunk(2, dim=-1)
         want = _truncated(torch.nn.functional.silu(gate) * up).to(dtype)
-    what = f"skinny rows={rows} n={n} k={k} tile={block_n}x{block_k} split={split_k}"
+    what = f"skinny rows={rows} n={n} k={k} tile={block_n}x{block_k} split={split_k} {paired=}"
     check(out, want, what)
     assert _counters_clear(), "a split launch left a tile counter set"
 
@@ -138,7 +146,8 @@ def test_table_picks_per_padded_rows_and_shape(monkeypatch, tmp_path):
          "block_n": 32, "block_k": 256, "num_warps": 4, "split_k": 4, "num_stages": 5},
         {"block_m": 32, "n": 2560, "k": 4096, "silu_mul": False, "kind": "cublas"},
         {"block_m": 16, "n": 19456, "k": 2560, "silu_mul": True, "kind": "skinny",
-         "block_n": 64, "block_k": 128, "num_warps": 4, "split_k": 1, "num_stages": 4},
+         "block_n": 64, "block_k": 128, "num_warps": 4, "split_k": 1, "num_stages": 4,
+         "paired": True},
     ]  # fmt: skip
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"device": "test", "entries": entries}))
@@ -148,7 +157,9 @@ def test_table_picks_per_padded_rows_and_shape(monkeypatch, tmp_path):
     assert skinny_config(2, 2560, 4096) == want
     assert skinny_config(16, 2560, 4096) == want  # same padded rows
     assert skinny_config(24, 2560, 4096) is None  # the table says cuBLAS
-    assert skinny_config(8, 19456, 2560, silu_mul=True).block_n == 64
+    fused = skinny_config(8, 19456, 2560, silu_mul=True)
+    assert fused.block_n == 64 and fused.paired
+    assert not skinny_config(2, 2560, 4096).paired  # no field: one loop after the other
     assert skinny_config(8, 19456, 2560) == skinny_rule(8, 19456, 2560)  # not in the table
     assert skinny_config(40, 19456, 2560) is None  # nor that: past 32 rows cuBLAS
     monkeypatch.setenv("PEGAINFER_SKINNY_GEMM", "0")

@@ -109,7 +109,12 @@ def candidates(
             if not 100 <= programs <= 8192 or cdiv(k, block_k) < 2 * split_k:
                 continue
         for warps in (4, 8) if block_n == 128 else (4,):
-            found.append(LinearConfig("skinny", block_n, block_k, warps, block_m, split_k, stages))
+            for paired in (False, True) if silu_mul else (False,):
+                found.append(
+                    LinearConfig(
+                        "skinny", block_n, block_k, warps, block_m, split_k, stages, paired
+                    )
+                )
     return found
 
 
@@ -246,6 +251,7 @@ def describe(config: dict[str, Any] | None) -> str:
     return (
         f"{config['kind']} m{config['block_m']} n{config['block_n']} k{config['block_k']} "
         f"w{config['num_warps']} s{config['num_stages']} sk{config['split_k']}"
+        + (" paired" if config.get("paired") else "")
     )
 
 
@@ -267,7 +273,7 @@ def emit_table(records: list[dict[str, Any]], min_gain: float, device: str) -> d
         wins = best is not None and record["best_us"] < record["cublas_us"] * (1 - min_gain)
         if wins and best["kind"] == "skinny":
             entry["kind"] = "skinny"
-            for field in ("block_n", "block_k", "num_warps", "split_k", "num_stages"):
+            for field in ("block_n", "block_k", "num_warps", "split_k", "num_stages", "paired"):
                 entry[field] = best[field]
         else:
             entry["kind"] = "cublas"
