@@ -107,6 +107,27 @@ def test_the_fused_gate_up_gemv_ends_its_projection():
     assert gemms == ["qkv", "o", "gate_up", "down"] * 2 + [LM_HEAD]
 
 
+def test_adjacent_projections_are_told_apart():
+    # One row with the norm left pending: o ends in the residual add and gate/up reads the
+    # pending norm, down ends in it and the next layer's qkv reads it, so no kernel
+    # separates those projections.
+    layer = [
+        ("_gemv_kernel", 8.0),
+        ("_rotary_kernel", 2.0),
+        ("_decode_split_kernel", 5.0),
+        ("_gemv_add_residual_kernel", 7.0),
+        ("_gemv_silu_and_mul_kernel", 25.0),
+        ("_skinny_gemm_kernel", 14.0),
+    ]
+    kernels, clock = [], 0.0
+    for name, duration in layer * 2 + [("_gemv_kernel", 40.0)]:
+        kernels.append(Kernel(name, clock, duration))
+        clock += duration + 0.5
+    parts = label_kernels(kernels, SHAPE.num_layers)
+    gemms = [p for k, p in zip(kernels, parts) if kernel_part(k.name) == GEMM]
+    assert gemms == ["qkv", "o", "gate_up", "down"] * 2 + [LM_HEAD]
+
+
 def test_runs_that_do_not_fit_the_step_stay_unnamed():
     # Two layers' kernels profiled as if the model had three: no place can be trusted.
     kernels = step_kernels(steps=2)

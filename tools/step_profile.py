@@ -5,8 +5,9 @@ A decode step runs, per layer: add + RMSNorm, the QKV projection, q/k norm + rot
 decode attention, the O projection, add + RMSNorm, gate/up, SiLU-and-mul, down; then the final
 norm, the LM head and sampling. Each projection is one GEMM (cuBLAS, or a Triton GEMV at one
 row), sometimes followed by cuBLAS's split-K reduction, and no two projections are adjacent:
-so the n-th run of consecutive GEMM kernels in a step is the n-th projection, and runs are
-named by their place in the step (qkv, o, gate_up, down for each layer, then the LM head).
+so the n-th projection of a step is its n-th GEMM kernel with the split-K reduction that may
+follow it, and projections are named by their place in the step (qkv, o, gate_up, down for
+each layer, then the LM head).
 When the runs do not come in whole steps of that pattern they are all counted as "gemm".
 
 The window must hold only whole decode steps of one batch (``profile_full_decode`` in
@@ -35,10 +36,11 @@ LM_HEAD = "lm_head"
 GEMM = "gemm"
 # Substrings (lower case) of cuBLAS/CUTLASS kernel names and of the Triton linear kernels.
 _GEMM_MARKERS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce", "_skinny_gemm")
-# The gate/up GEMV of one row and the skinny GEMM of 2-64 end in their silu-and-mul epilogue
-# (kernels/linear_fused.py, kernels/skinny_gemm.py): the GEMM right after them is the down
-# projection.
-_RUN_ENDING_MARKERS = ("_gemv_silu_and_mul", "_skinny_gemm_silu_and_mul")
+# cuBLAS's split-K reduction finishes the GEMM kernel before it. Every other GEMM kernel
+# starts a projection: the Triton ones are one kernel a projection, and with the norm left
+# pending (kernels/linear_norm.py) or silu-and-mul in the gate/up epilogue two projections
+# follow each other with no kernel between them.
+_RUN_CONTINUING_MARKERS = ("splitkreduce",)
 _PARTS = (
     ("_decode_split_kernel", "decode attention"),
     ("_prefill_kernel", "prefill attention"),
@@ -115,15 +117,14 @@ def label_kernels(kernels: Sequence[Kernel], num_layers: int) -> list[str]:
     """Each kernel's part; GEMM runs named by their place in the step where they fit."""
     parts = [kernel_part(k.name) for k in kernels]
     runs: list[list[int]] = []
-    previous_gemm = False
     for i, part in enumerate(parts):
-        if part == GEMM:
-            if not previous_gemm:
-                runs.append([])
+        if part != GEMM:
+            continue
+        continues = any(marker in kernels[i].name.lower() for marker in _RUN_CONTINUING_MARKERS)
+        if continues and runs and runs[-1][-1] == i - 1:
             runs[-1].append(i)
-        previous_gemm = part == GEMM and not any(
-            marker in kernels[i].name.lower() for marker in _RUN_ENDING_MARKERS
-        )
+        else:
+            runs.append([i])
     per_step = len(PROJECTIONS) * num_layers + 1
     if runs and len(runs) % per_step == 0:
         for n, run in enumerate(runs):
