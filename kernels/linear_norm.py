@@ -13,7 +13,10 @@ By default only one row fuses. On an H200 (Qwen3-4B, alternated runs) batch-1 de
 2.60 / 2.88 ms a step at context 128 / 4k against 2.63 / 2.90 unfused; at 8 and 32 rows
 (``PEGAINFER_NORM_FUSION=all``) decode steps took 3.44 / 5.20 ms against 3.32 / 4.40, though
 timed alone the fused pair of skinny GEMMs cost only 0.9-1.9 us more than the plain pair,
-against 1.4-1.5 us for the norm kernel it replaces.
+against 1.4-1.5 us for the norm kernel it replaces. Measured again with gate and up in one K
+loop (in process, two alternated rounds): 3.38 against 3.29 ms at 8 rows, 4.74-4.90 against
+4.33-4.34 at 32; profiled, the GEMMs took 2,708 / 3,286 us a step against 2,440 / 2,641 plus
+139 / 140 us of norm kernels unfused. Which projection loses is not known yet.
 
 The reference is those two steps' references. With tensor-parallel row shards the add
 must follow the all-reduce, so the layers use this only on one rank.
