@@ -9,14 +9,15 @@ projection (``kernels.linear``, ``kernels.linear_silu_and_mul``) applies it as i
 input, so the add+RMSNorm kernel between the two is gone (kernels/pending_norm.py).
 Elsewhere, and with ``PEGAINFER_NORM_FUSION=0``, the two steps run as before.
 
-By default only one row fuses. On an H200 (Qwen3-4B, alternated runs) batch-1 decode took
-2.60 / 2.88 ms a step at context 128 / 4k against 2.63 / 2.90 unfused; at 8 and 32 rows
-(``PEGAINFER_NORM_FUSION=all``) decode steps took 3.44 / 5.20 ms against 3.32 / 4.40, though
-timed alone the fused pair of skinny GEMMs cost only 0.9-1.9 us more than the plain pair,
-against 1.4-1.5 us for the norm kernel it replaces. Measured again with gate and up in one K
-loop (in process, two alternated rounds): 3.38 against 3.29 ms at 8 rows, 4.74-4.90 against
-4.33-4.34 at 32; profiled, the GEMMs took 2,708 / 3,286 us a step against 2,440 / 2,641 plus
-139 / 140 us of norm kernels unfused. Which projection loses is not known yet.
+It fuses wherever the Triton kernels run the producer (1-32 rows of Qwen3-4B on an H200;
+at 64 rows cuBLAS takes o and down). At 2-64 rows the producer lets the consumer launch only
+as it ends (``kernels.skinny_gemm.launches_successor_early``). Launched early, its
+programs resident beside the producer's running ones (the cause is inferred, not traced),
+the fused pair lost to the norm kernel it replaces (decode steps 3.36 / 4.91 ms at 8 / 32 rows against
+3.27 / 4.30 unfused; with PDL off 3.30 / 4.31). Launched late: 3.21 / 3.49 / 4.25 ms at 8 /
+16 / 32 rows against 3.27 / 3.56 / 4.30 unfused (H200, Qwen3-4B, in process, two alternated
+rounds). One row, the GEMV, fused first: 2.60 / 2.88 ms a step at context 128 / 4k against
+2.63 / 2.90 unfused.
 
 The reference is those two steps' references. With tensor-parallel row shards the add
 must follow the all-reduce, so the layers use this only on one rank.
@@ -54,8 +55,8 @@ def linear_add_rms_norm_ref(
 
 def fused_rows_limit() -> int:
     """The most rows whose norm is left pending: ``PEGAINFER_NORM_FUSION`` 0 (never), 1
-    (the default: one row, the GEMV) or ``all`` (up to 64, the skinny GEMM too)."""
-    setting = os.environ.get("PEGAINFER_NORM_FUSION", "1").lower()
+    (one row, the GEMV) or ``all`` (the default: up to 64, the skinny GEMM too)."""
+    setting = os.environ.get("PEGAINFER_NORM_FUSION", "all").lower()
     if setting in ("0", "false", "off"):
         return 0
     return MAX_ROWS if setting == "all" else 1

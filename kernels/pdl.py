@@ -14,6 +14,11 @@ Rules every kernel launched with PDL keeps, so that no overlap can race:
 - ``wait_for_inputs`` lets the next kernel launch only after this one's wait, so at most the
   predecessor is still running while a program is before its wait.
 
+A skinny GEMM that ends in the residual add lets its successor launch only as it ends
+(``LAUNCH_SUCCESSOR``, kernels/skinny_gemm.py): launched early, the projection after it
+made decode steps at 8 and 32 rows 3-14% slower, most likely because its programs were
+placed beside the running ones (tools/README.md).
+
 Prefetching before the wait was measured and is not done: an L2 prefetch of a linear layer's
 weight slice (and of decode attention's first K/V tile) made batch-1 decode 3.20 ms a step
 against 2.70 ms with none, and loading the first weight tile into registers gave 2.72 ms.
@@ -36,11 +41,13 @@ tl = None  # bound to triton.language by kernels.backend.load_triton()
 
 
 @triton_jit
-def wait_for_inputs(USE_PDL: tl.constexpr):
-    """Block until the predecessor's writes are visible, then let the successor launch."""
+def wait_for_inputs(USE_PDL: tl.constexpr, LAUNCH_SUCCESSOR: tl.constexpr = True):
+    """Block until the predecessor's writes are visible, then let the successor launch; with
+    ``LAUNCH_SUCCESSOR`` false the successor launches only as this kernel ends."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if LAUNCH_SUCCESSOR:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 def launch_options(with_pdl: bool) -> dict[str, bool]:

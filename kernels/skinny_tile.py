@@ -122,6 +122,7 @@ def skinny_gemm_tile(
     DOT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
     PAIRED: tl.constexpr = True,
+    LAUNCH_SUCCESSOR: tl.constexpr = True,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -137,7 +138,7 @@ def skinny_gemm_tile(
     x_rows = x_ptr + safe_rows[:, None] * stride_x_row
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    pdl.wait_for_inputs(USE_PDL)
+    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     if NORMED:
         square_sums = pending_norm.load_square_sums(
             in_sums_ptr, rows, row_mask, num_in_groups, num_in_groups, IN_GROUPS

@@ -141,14 +141,15 @@ def test_dispatch_falls_back_where_no_kernel_fuses(monkeypatch):
     x, weight, residual, norm_weight = _producer_inputs(100, 256, 128, torch.bfloat16, 29)
     normed, _ = linear_add_rms_norm(x, weight, residual, norm_weight, EPS)
     assert isinstance(normed, torch.Tensor)  # past 64 rows: cuBLAS and the norm kernel
-    assert fused_rows_limit() == 1
+    monkeypatch.delenv("PEGAINFER_NORM_FUSION", raising=False)
+    assert fused_rows_limit() == 64
+    normed, _ = linear_add_rms_norm(x[:8], weight, residual[:8], norm_weight, EPS)
+    assert isinstance(normed, PendingNorm)  # the skinny GEMM ends in the add
+    monkeypatch.setenv("PEGAINFER_NORM_FUSION", "1")
     normed, _ = linear_add_rms_norm(x[:1], weight, residual[:1], norm_weight, EPS)
     assert isinstance(normed, PendingNorm)  # one row: the GEMV ends in the add
     normed, _ = linear_add_rms_norm(x[:8], weight, residual[:8], norm_weight, EPS)
-    assert isinstance(normed, torch.Tensor)  # 2-64 rows fuse only with "all"
-    monkeypatch.setenv("PEGAINFER_NORM_FUSION", "all")
-    normed, _ = linear_add_rms_norm(x[:8], weight, residual[:8], norm_weight, EPS)
-    assert isinstance(normed, PendingNorm)
+    assert isinstance(normed, torch.Tensor)  # "1" fuses one row only
     monkeypatch.setenv("PEGAINFER_NORM_FUSION", "0")
     normed, _ = linear_add_rms_norm(x[:1], weight, residual[:1], norm_weight, EPS)
     assert isinstance(normed, torch.Tensor)
@@ -159,15 +160,18 @@ CHAINS = [("o -> gate_up", 2560, 4096, 19456, True), ("down -> qkv", 2560, 9728,
 
 
 @gpu_only
+@pytest.mark.parametrize("early_launch", ["plain", "all"])
 @pytest.mark.parametrize("rows", [1, 2, 8, 32, 64])
 @pytest.mark.parametrize("name,hidden,k,n_next,silu_mul", CHAINS, ids=[c[0] for c in CHAINS])
 def test_real_chain_in_a_graph_matches_and_repeats_bit_for_bit(
-    name, hidden, k, n_next, silu_mul, rows, monkeypatch
+    name, hidden, k, n_next, silu_mul, rows, early_launch, monkeypatch
 ):
     """Producer and consumer as the decode step dispatches them, captured in a CUDA graph and
     replayed on fresh inputs: the result matches the reference, and a second replay of the
-    same inputs gives the same bits (the sums do not depend on which program ends first)."""
+    same inputs gives the same bits (the sums do not depend on which program ends first).
+    Both ways the producer may let the consumer launch (PDL) are run."""
     monkeypatch.setenv("PEGAINFER_NORM_FUSION", "all")
+    monkeypatch.setenv("PEGAINFER_SKINNY_EARLY_LAUNCH", early_launch)
     dtype = torch.bfloat16
     x, weight, residual, norm_weight = _producer_inputs(rows, hidden, k, dtype, rows + k)
     next_weight = randn(n_next, hidden, g=gen(31), dtype=dtype, scale=hidden**-0.5)
