@@ -27,8 +27,9 @@ def _silu_and_mul_kernel(
     stride_x_row,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    LAUNCH_SUCCESSOR: tl.constexpr,
 ):
-    pdl.wait_for_inputs(USE_PDL)
+    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     # Grid (rows, column blocks): a [T, 2 * intermediate] input is read once, gate and up
     # halves side by side, and the product written once. Rows go on axis 0, the only axis
     # whose size is not capped at 65535.
@@ -65,6 +66,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         x2.stride(0),
         BLOCK=block,
         USE_PDL=with_pdl,
+        LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "silu_and_mul"),
         num_warps=4,
         **pdl.launch_options(with_pdl),
     )

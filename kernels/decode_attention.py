@@ -103,6 +103,7 @@ def _decode_split_kernel(
     SPLITS_PAD: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    LAUNCH_SUCCESSOR: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -115,7 +116,7 @@ def _decode_split_kernel(
     end = tl.minimum(start + per_split, context_len)
     table_row = block_tables_ptr + seq * stride_table_seq
     head_offset = kv_head * stride_cache_head
-    pdl.wait_for_inputs(USE_PDL)
+    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
@@ -335,6 +336,7 @@ def paged_decode_attention_triton(
         SPLITS_PAD=max(next_power_of_2(MAX_SPLITS), next_power_of_2(max_splits)),
         MERGE_CHUNK=merge_chunk,
         USE_PDL=with_pdl,
+        LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "decode_attention"),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options(with_pdl),

@@ -99,6 +99,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    LAUNCH_SUCCESSOR: tl.constexpr,
 ):
     # Row tiles vary fastest, so programs sharing a weight tile run side by side and all but
     # the first read it from L2. Within a program every row uses each weight tile loaded.
@@ -111,7 +112,7 @@ def _gemv_kernel(
     safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
     safe_features = tl.where(feature_mask, features, 0).to(tl.int64)
     w_rows = w_ptr + safe_features[:, None] * stride_w_row
-    pdl.wait_for_inputs(USE_PDL)
+    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     if NORMED:
         square_sums = pending_norm.load_square_sums(
             in_sums_ptr, rows, row_mask, num_in_groups, num_in_groups, IN_GROUPS
@@ -253,6 +254,9 @@ def _gemv(
         BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0,
         USE_PDL=with_pdl,
+        LAUNCH_SUCCESSOR=pdl.launch_successor(
+            with_pdl, "gemv_add" if residual is not None else "gemv"
+        ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl.launch_options(with_pdl),

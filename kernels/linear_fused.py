@@ -87,13 +87,14 @@ def _gemv_silu_and_mul_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    LAUNCH_SUCCESSOR: tl.constexpr,
 ):
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_mask = features < N
     safe_features = tl.where(feature_mask, features, 0).to(tl.int64)
     gate_rows = w_ptr + safe_features[:, None] * stride_w_row
     up_rows = w_ptr + (safe_features + N)[:, None] * stride_w_row
-    pdl.wait_for_inputs(USE_PDL)
+    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     if NORMED:
         row = tl.arange(0, 1)
         square_sums = pending_norm.load_square_sums(
@@ -171,6 +172,7 @@ def linear_silu_and_mul_triton(x: torch.Tensor | PendingNorm, weight: torch.Tens
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
         USE_PDL=with_pdl,
+        LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "gemv_silu"),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options(with_pdl),

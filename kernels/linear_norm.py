@@ -11,7 +11,7 @@ Elsewhere, and with ``PEGAINFER_NORM_FUSION=0``, the two steps run as before.
 
 It fuses wherever the Triton kernels run the producer (1-32 rows of Qwen3-4B on an H200;
 at 64 rows cuBLAS takes o and down). At 2-64 rows the producer lets the consumer launch only
-as it ends (``kernels.skinny_gemm.launches_successor_early``). Launched early, its
+as it ends (``kernels.pdl.launches_successor_early``). Launched early, its
 programs resident beside the producer's running ones (the cause is inferred, not traced),
 the fused pair lost to the norm kernel it replaces (decode steps 3.36 / 4.91 ms at 8 / 32 rows against
 3.27 / 4.30 unfused; with PDL off 3.30 / 4.31). Launched late: 3.21 / 3.49 / 4.25 ms at 8 /

@@ -14,15 +14,18 @@ Rules every kernel launched with PDL keeps, so that no overlap can race:
 - ``wait_for_inputs`` lets the next kernel launch only after this one's wait, so at most the
   predecessor is still running while a program is before its wait.
 
-A skinny GEMM that ends in the residual add lets its successor launch only as it ends
-(``LAUNCH_SUCCESSOR``, kernels/skinny_gemm.py): launched early, the projection after it
-made decode steps at 8 and 32 rows 3-14% slower, most likely because its programs were
-placed beside the running ones (tools/README.md).
+Which kernels let their successor launch early is ``launches_successor_early``. By default
+all do but the skinny GEMM that ends in the residual add (kernels/skinny_gemm.py), which
+lets it launch only as it ends: launched early, the projection after it made decode steps
+at 8 and 32 rows 3-14% slower, most likely because its programs were placed beside the
+running ones (tools/README.md). ``PEGAINFER_LATE_LAUNCH`` names the kernels that launch
+their successor late instead, to try another choice in whole steps.
 
 Prefetching before the wait was measured and is not done: an L2 prefetch of a linear layer's
 weight slice (and of decode attention's first K/V tile) made batch-1 decode 3.20 ms a step
 against 2.70 ms with none, and loading the first weight tile into registers gave 2.72 ms.
-Letting the successor launch only when a kernel ends (no explicit trigger) gave 2.86 ms.
+Every kernel letting its successor launch only as it ends (all names in
+``PEGAINFER_LATE_LAUNCH`` today) gave 2.86 ms.
 The skinny GEMM of 2-64 rows reading one or two weight tiles before the wait was 0.1-0.5 us
 slower a projection than reading none (``tools/tune_linear``, 8 and 32 rows). Extra programs
 of decode attention's grid prefetching the o projection's weight into L2 (no wait, no fork)
@@ -35,9 +38,58 @@ interpreter, before Hopper, or with ``PEGAINFER_PDL=0``).
 
 from __future__ import annotations
 
+import functools
+import os
+
 from kernels.backend import triton_jit
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
+
+# The kernels a decode step launches with PDL, by the names PEGAINFER_LATE_LAUNCH takes.
+LAUNCHING_KERNELS = (
+    "decode_attention",
+    "rotary",
+    "rmsnorm",
+    "silu_and_mul",
+    "gemv",
+    "gemv_add",
+    "gemv_silu",
+    "skinny",
+    "skinny_add",
+)
+DEFAULT_LATE_LAUNCH = frozenset({"skinny_add"})
+
+
+@functools.cache
+def late_launchers(setting: str | None) -> frozenset[str]:
+    """The kernels named by a ``PEGAINFER_LATE_LAUNCH`` value: a comma list of
+    ``LAUNCHING_KERNELS``, or ``none``; unset, ``DEFAULT_LATE_LAUNCH``."""
+    if setting is None:
+        return DEFAULT_LATE_LAUNCH
+    names = {name.strip() for name in setting.lower().split(",") if name.strip()}
+    if names == {"none"}:
+        return frozenset()
+    unknown = sorted(names.difference(LAUNCHING_KERNELS))
+    if unknown:
+        raise ValueError(
+            f"PEGAINFER_LATE_LAUNCH names {', '.join(unknown)}: want none or a comma list of "
+            + ", ".join(LAUNCHING_KERNELS)
+        )
+    return frozenset(names)
+
+
+def launches_successor_early(kernel: str) -> bool:
+    """Whether ``kernel`` (one of ``LAUNCHING_KERNELS``) lets the next kernel launch as soon
+    as its programs have started, or only as it ends."""
+    if kernel not in LAUNCHING_KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}")
+    return kernel not in late_launchers(os.environ.get("PEGAINFER_LATE_LAUNCH"))
+
+
+def launch_successor(with_pdl: bool, kernel: str) -> bool:
+    """The ``LAUNCH_SUCCESSOR`` of a launch: ``launches_successor_early`` where it uses PDL;
+    elsewhere it means nothing, and the environment is not read (it costs 0.5 us a launch)."""
+    return launches_successor_early(kernel) if with_pdl else True
 
 
 @triton_jit

@@ -52,8 +52,9 @@ def _rms_norm_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    LAUNCH_SUCCESSOR: tl.constexpr,
 ):
-    pdl.wait_for_inputs(USE_PDL)
+    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     # Rows are addressed as (outer, inner) so a [T, heads, head_dim] view with a token
     # stride wider than heads * head_dim (a slice of the fused qkv) needs no copy.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -137,6 +138,7 @@ def _launch(
         ROWS=rows_per_program,
         BLOCK=block,
         USE_PDL=with_pdl,
+        LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "rmsnorm"),
         num_warps=num_warps,
         **pdl.launch_options(with_pdl),
     )

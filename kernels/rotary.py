@@ -176,8 +176,9 @@ def _rotary_kernel(
     STORE_KV: tl.constexpr,
     NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
+    LAUNCH_SUCCESSOR: tl.constexpr,
 ):
-    pdl.wait_for_inputs(USE_PDL)
+    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     # Grid (tokens, q head groups + 1): programs below the last of a token each rotate
     # Q_HEADS of its q heads; the last rotates its k heads and writes k and v to the cache.
     # Short programs, many of them: a decode batch of a few tokens still spreads over the SMs.
@@ -335,6 +336,7 @@ def _launch_rotary(
         STORE_KV=store,
         NORM=qk_norm is not None,
         USE_PDL=with_pdl,
+        LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "rotary"),
         num_warps=4,
         **pdl.launch_options(with_pdl),
     )

@@ -26,7 +26,7 @@ its larger stages leave fewer programs resident.
 
 A projection can also end in the residual add of a pending RMSNorm, or apply one on its
 way in (``ADD_NORM`` and ``NORMED``, kernels/pending_norm.py). One that ends in the add
-lets the next kernel launch (PDL) only as it ends: ``launches_successor_early``.
+lets the next kernel launch (PDL) only as it ends (``pdl.launches_successor_early``).
 
 ``linear_ref`` and ``linear_silu_and_mul_ref`` are the references. Which tile and split a
 shape takes comes from ``kernels/linear_configs.py``. On an H200 (Qwen3-4B, CUDA graphs,
@@ -37,7 +37,6 @@ the activation kernel), qkv 10.8 against 11.3; at 64 rows cuBLAS wins the narrow
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -212,16 +211,6 @@ def _skinny_gemm_silu_and_mul_kernel(
     )
 
 
-def launches_successor_early(adds_residual: bool) -> bool:
-    """Whether a skinny GEMM lets the next kernel launch (PDL) as soon as its programs start,
-    or only as it ends. ``PEGAINFER_SKINNY_EARLY_LAUNCH``: ``all``, ``none``, or ``plain``
-    (the default: all but the projections ending in the residual add)."""
-    setting = os.environ.get("PEGAINFER_SKINNY_EARLY_LAUNCH", "plain").lower()
-    if setting not in ("all", "none", "plain"):
-        raise ValueError(f"PEGAINFER_SKINNY_EARLY_LAUNCH={setting!r}: want all, none or plain")
-    return setting == "all" or (setting == "plain" and not adds_residual)
-
-
 def block_rows(num_rows: int) -> int:
     """The padded row count of a ``num_rows`` launch: 16, 32 or 64."""
     return 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
@@ -323,7 +312,9 @@ def skinny_gemm(
         EVEN_K=k % block_k == 0,
         DOT_FP32=dot_needs_fp32(x.dtype),
         USE_PDL=with_pdl,
-        LAUNCH_SUCCESSOR=launches_successor_early(residual is not None),
+        LAUNCH_SUCCESSOR=pdl.launch_successor(
+            with_pdl, "skinny_add" if residual is not None else "skinny"
+        ),
         num_warps=num_warps,
         num_stages=num_stages,
         **({"PAIRED": paired} if silu_mul else {}),

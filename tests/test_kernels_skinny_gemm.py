@@ -16,12 +16,7 @@ from kernels.attention_merge import split_counters
 from kernels.linear import LinearConfig, linear_ref
 from kernels.linear_configs import parse_table, skinny_config, skinny_rule
 from kernels.linear_fused import linear_silu_and_mul, linear_silu_and_mul_ref
-from kernels.skinny_gemm import (
-    block_rows,
-    launches_successor_early,
-    skinny_gemm,
-    skinny_gemm_with,
-)
+from kernels.skinny_gemm import block_rows, skinny_gemm, skinny_gemm_with
 
 pytestmark = requires_triton
 
@@ -135,19 +130,6 @@ def test_bad_shapes_are_refused():
 
 def test_block_rows_pads_to_the_tensor_core_tiles():
     assert [block_rows(r) for r in (1, 2, 16, 17, 32, 33, 64)] == [16, 16, 16, 32, 32, 64, 64]
-
-
-def test_early_launch_setting_picks_which_projections_let_the_next_kernel_in(monkeypatch):
-    monkeypatch.delenv("PEGAINFER_SKINNY_EARLY_LAUNCH", raising=False)
-    assert launches_successor_early(adds_residual=False)
-    assert not launches_successor_early(adds_residual=True)
-    monkeypatch.setenv("PEGAINFER_SKINNY_EARLY_LAUNCH", "all")
-    assert launches_successor_early(adds_residual=True)
-    monkeypatch.setenv("PEGAINFER_SKINNY_EARLY_LAUNCH", "none")
-    assert not launches_successor_early(adds_residual=False)
-    monkeypatch.setenv("PEGAINFER_SKINNY_EARLY_LAUNCH", "sometimes")
-    with pytest.raises(ValueError, match="PEGAINFER_SKINNY_EARLY_LAUNCH"):
-        launches_successor_early(adds_residual=False)
 
 
 def test_rule_splits_narrow_projections_and_not_wide_ones():

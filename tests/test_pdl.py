@@ -120,6 +120,55 @@ def test_layer_chain_same_with_and_without_pdl(pdl_switch, graph):
     assert torch.equal(outputs[True], outputs[False])
 
 
+@needs_hopper
+@pytest.mark.parametrize("rows", [1, 8])
+def test_layer_chain_same_whichever_kernels_launch_late(monkeypatch, rows):
+    """Letting the successor launch only at the end is the conservative order: any choice of
+    late launchers gives the same bits as the default."""
+    weights = _chain_weights(2048, 4096, layers=12, device="cuda")
+    x = torch.randn(rows, 2048, device="cuda").to(torch.bfloat16)
+    outputs = []
+    for setting in (None, "none", ",".join(pdl.LAUNCHING_KERNELS)):
+        if setting is None:
+            monkeypatch.delenv("PEGAINFER_LATE_LAUNCH", raising=False)
+        else:
+            monkeypatch.setenv("PEGAINFER_LATE_LAUNCH", setting)
+        outputs.append(_run(lambda: _mlp_chain(x, weights), graph=True))
+    assert torch.isfinite(outputs[0].float()).all()
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+
+
+def test_late_launchers_default_list_and_errors(monkeypatch):
+    monkeypatch.delenv("PEGAINFER_LATE_LAUNCH", raising=False)
+    assert not pdl.launches_successor_early("skinny_add")
+    assert pdl.launches_successor_early("skinny") and pdl.launches_successor_early("gemv_add")
+    monkeypatch.setenv("PEGAINFER_LATE_LAUNCH", "none")
+    assert all(pdl.launches_successor_early(name) for name in pdl.LAUNCHING_KERNELS)
+    monkeypatch.setenv("PEGAINFER_LATE_LAUNCH", " Decode_Attention, rotary ")
+    late = [name for name in pdl.LAUNCHING_KERNELS if not pdl.launches_successor_early(name)]
+    assert late == ["decode_attention", "rotary"]
+    monkeypatch.setenv("PEGAINFER_LATE_LAUNCH", "rotary,attention")
+    with pytest.raises(ValueError, match="PEGAINFER_LATE_LAUNCH names attention"):
+        pdl.launches_successor_early("rotary")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        pdl.launches_successor_early("gemm")
+
+
+def test_every_launch_names_a_known_kernel():
+    """The names reach ``launches_successor_early`` only on a GPU with PDL: checked here."""
+    import re
+    from pathlib import Path
+
+    sources = Path(pdl.__file__).parent.glob("*.py")
+    calls = [
+        call
+        for source in sources
+        for call in re.findall(r"launch_successor\(\s*with_pdl,(.*?)\)", source.read_text(), re.S)
+    ]
+    names = {name for call in calls for name in re.findall(r'"(\w+)"', call)}
+    assert len(calls) == 7 and names == set(pdl.LAUNCHING_KERNELS)
+
+
 def _attention_chain(state: dict[str, torch.Tensor], steps: int) -> torch.Tensor:
     """Rotary writes this step's key and value into the paged cache, decode attention reads
     them (and its block table) right after, a linear layer reads the attention's output."""
