@@ -12,8 +12,9 @@ merges them in the same launch (kernels/attention_merge.py). With one split the 
 writes the output directly, with no atomics.
 
 How many splits a sequence uses is decided on the device from its own context length (at
-least ``min_split_tokens`` per split, at most ``max_splits``), so the grid depends only on
-host integers. That keeps the launch CUDA-graph capturable: a graph captured with
+least ``min_split_tokens`` per split, at most ``max_splits``; a sequence that uses one
+split, or none, is written directly with no merge), so the grid depends only on host
+integers. That keeps the launch CUDA-graph capturable: a graph captured with
 ``max_context_len = max_model_len`` replays correctly for any context length; splits a
 short sequence does not need exit at once.
 
@@ -170,6 +171,13 @@ def _decode_split_kernel(
     out_offsets = seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
     if SINGLE_SPLIT:
         tl.store(out_ptr + out_offsets, partial.to(out_ptr.dtype.element_ty), mask=q_mask)
+    elif splits_used <= 1:
+        # One split used (or none: a padding row, whose split 0 holds zeros): split 0 writes
+        # the output, as in a one-split grid, and no program of the sequence counts in (each
+        # computed the same splits_used). That saves the scratch store, the atomic and the
+        # merge's loads, a chain of round trips that dominates short contexts.
+        direct_mask = (rows < tl.where(split == 0, GROUP, 0))[:, None] & dim_mask[None, :]
+        tl.store(out_ptr + out_offsets, partial.to(out_ptr.dtype.element_ty), mask=direct_mask)
     else:
         # partial_out: [num_seqs, num_heads, max_splits, head_dim] float32, contiguous.
         num_heads = tl.num_programs(1) * GROUP
@@ -184,8 +192,7 @@ def _decode_split_kernel(
         lse = m_i + tl.log2(safe_l)
         tl.store(partial_lse_ptr + row_index, lse, mask=rows < tl.where(start < end, GROUP, 0))
         # Every one of the grid's max_splits programs counts in, those past the sequence's
-        # end too; the last merges the splits_used that hold partials. A sequence with no
-        # context uses none and gets zeros (a padding row of a captured batch).
+        # end too; the last merges the splits_used that hold partials.
         counter = split_counters_ptr + seq * tl.num_programs(1) + kv_head
         if attention_merge.arrive_last(counter, max_splits):
             # The group's real rows only (not the tl.dot padding): a smaller tile lets more

@@ -78,12 +78,19 @@ def _tile_dot_pair(
 
 
 @triton_jit
-def _add_other_splits(acc, partial_ptr, tile_offsets, split, num_splits, split_stride):
-    """``acc`` plus every other split's partial of this tile (read past L1)."""
+def _sum_splits_in_order(acc, partial_ptr, tile_offsets, split, num_splits, split_stride):
+    """The tile's sum over every split: ``acc`` (this split's) and the others' partials
+    (read past L1), added in split order whichever split arrives last, so that the result
+    has the same bits on every launch (float addition is not associative)."""
+    total = tl.zeros_like(acc)
     for other in range(0, num_splits):
-        if other != split:
-            acc += tl.load(partial_ptr + other * split_stride + tile_offsets, cache_modifier=".cg")
-    return acc
+        if other == split:
+            total += acc
+        else:
+            total += tl.load(
+                partial_ptr + other * split_stride + tile_offsets, cache_modifier=".cg"
+            )
+    return total
 
 
 @triton_jit
@@ -184,9 +191,9 @@ def skinny_gemm_tile(
         counter = counters_ptr + tile
         last = attention_merge.arrive_last(counter, num_splits)
         if last:
-            acc = _add_other_splits(acc, partial_ptr, tile_offsets, split, num_splits, split_stride)
+            acc = _sum_splits_in_order(acc, partial_ptr, tile_offsets, split, num_splits, split_stride)
             if SILU_MUL:
-                up_acc = _add_other_splits(
+                up_acc = _sum_splits_in_order(
                     up_acc, partial_ptr, tile_offsets + tile_size, split, num_splits, split_stride
                 )
             tl.store(counter, 0)  # ready for the next launch (or graph replay)

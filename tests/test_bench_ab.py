@@ -68,7 +68,11 @@ def test_bad_variants_and_results_are_refused(tmp_path):
     assert parse_variant("pdl-off:PEGAINFER_PDL=0,X=1") == Variant(
         "pdl-off", {"PEGAINFER_PDL": "0", "X": "1"}
     )
-    for spec in ("nocolon", ":X=1", "a:X", "a/b:X=1"):
+    # A value may hold commas: an item with no "=" continues the value before it.
+    assert parse_variant("late:PEGAINFER_LATE_LAUNCH=skinny_add,rotary,X=1") == Variant(
+        "late", {"PEGAINFER_LATE_LAUNCH": "skinny_add,rotary", "X": "1"}
+    )
+    for spec in ("nocolon", ":X=1", "a:X", "a/b:X=1", "a:X,Y=1"):
         with pytest.raises(ValueError, match="variant"):
             parse_variant(spec)
     with pytest.raises(ValueError, match="found 0"):

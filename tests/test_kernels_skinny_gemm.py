@@ -205,3 +205,20 @@ def test_real_shapes_with_the_picked_tiles_in_a_graph(name, n, k, silu_mul, rows
         graph.replay()
         check(out, _reference(x, weight, silu_mul), f"{name} rows={rows} {config} #{replay}")
     assert _counters_clear()
+
+
+@gpu_only
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+def test_split_sum_has_the_same_bits_whichever_split_arrives_last(silu_mul):
+    """Eight splits of a tile finish in a different order on each launch; the last one adds
+    every split in split order, so 30 launches on one input give one result (float addition
+    is not associative: adding in arrival order gave replays that differed in the last bit)."""
+    rows, n, k = 8, 2048 * (2 if silu_mul else 1), 8192
+    config = LinearConfig("skinny", 64, 128, 4, block_rows(rows), split_k=8, num_stages=4)
+    x, weight = _operands(rows, n, k, torch.bfloat16, 77)
+    first = skinny_gemm_with(x, weight, None, config, silu_mul=silu_mul)
+    check(first, _reference(x, weight, silu_mul), f"split 8 {config}")
+    for launch in range(30):
+        again = skinny_gemm_with(x, weight, None, config, silu_mul=silu_mul)
+        assert torch.equal(again, first), f"launch {launch} differs"
+    assert _counters_clear()

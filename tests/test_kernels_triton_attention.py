@@ -91,7 +91,8 @@ def test_decode_attention(num_heads, num_kv_heads, block_size, dtype):
     scale = 32**-0.5
     expected = paged_attention_ref(q, k_cache, v_cache, tables, ctx_lens, qsl, scale, 1, 50)
     # One split (output written directly) and several (partials merged): 50 tokens in
-    # splits of >= 16 use 4 splits, 5 tokens one, so used counts differ per sequence.
+    # splits of >= 16 use 4 splits, 5 tokens one (written directly by a split grid too), so
+    # used counts differ per sequence.
     for max_splits in (1, 4):
         with poisoned():
             out = paged_decode_attention_triton(
@@ -99,6 +100,7 @@ def test_decode_attention(num_heads, num_kv_heads, block_size, dtype):
                 max_splits=max_splits, min_split_tokens=16, block_n=16,
             )  # fmt: skip
         check(out, expected, f"decode, {max_splits} splits")
+        assert counters_at_rest(), f"{max_splits} splits"
 
 
 def test_decode_attention_block_size_32_fp16_and_dispatch():
@@ -137,6 +139,7 @@ def test_decode_padding_rows_of_a_captured_batch_are_zero():
             )  # fmt: skip
         check(out[:2], expected, "real rows")
         assert torch.equal(out[2:], torch.zeros_like(out[2:])), f"{max_splits} splits"
+        assert counters_at_rest(), f"{max_splits} splits"
 
 
 # (context_len, query_len): whole prompts, decode rows, prefix-cached chunks ending

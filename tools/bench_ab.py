@@ -42,11 +42,17 @@ def parse_variant(spec: str) -> Variant:
     if not sep or not name or "/" in name:
         raise ValueError(f"variant {spec!r}: want NAME:VAR=VALUE,... (or NAME: for none)")
     env: dict[str, str] = {}
+    last_var = None
     for item in filter(None, (part.strip() for part in assignments.split(","))):
         var, eq, value = item.partition("=")
+        if not eq and last_var is not None:
+            # A comma inside a value (PEGAINFER_LATE_LAUNCH=skinny_add,rotary): no "=" after it.
+            env[last_var] += "," + item
+            continue
         if not eq or not var:
             raise ValueError(f"variant {spec!r}: {item!r} is not VAR=VALUE")
         env[var] = value
+        last_var = var
     return Variant(name, env)
 
 
