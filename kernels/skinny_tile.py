@@ -191,7 +191,9 @@ def skinny_gemm_tile(
         counter = counters_ptr + tile
         last = attention_merge.arrive_last(counter, num_splits)
         if last:
-            acc = _sum_splits_in_order(acc, partial_ptr, tile_offsets, split, num_splits, split_stride)
+            acc = _sum_splits_in_order(
+                acc, partial_ptr, tile_offsets, split, num_splits, split_stride
+            )
             if SILU_MUL:
                 up_acc = _sum_splits_in_order(
                     up_acc, partial_ptr, tile_offsets + tile_size, split, num_splits, split_stride
