@@ -10,8 +10,9 @@ lets Hopper's warpgroup MMA take 64-feature tiles whatever the row count.
 
 Narrow projections (o, down: N = hidden) have too few feature tiles to fill the GPU, so K
 is split over ``split_k`` programs. Each writes its partial tile to float32 scratch and
-counts in at its tile's counter; the last to arrive adds the others' partials to its own
-and writes the output (``kernels/attention_merge.arrive_last``, the same scheme as decode
+counts in at its tile's counter; the last to arrive adds every split's partial, its own
+from registers, in split order (so the bits do not depend on which arrived last), and
+writes the output (``kernels/attention_merge.arrive_last``, the same scheme as decode
 attention's in-kernel merge). A projection is thus one launch, with no zeroed buffer and
 no reduction kernel, and it launches with PDL like the rest of the step.
 
