@@ -30,6 +30,9 @@ The skinny GEMM of 2-64 rows reading one or two weight tiles before the wait was
 slower a projection than reading none (``tools/tune_linear``, 8 and 32 rows). Extra programs
 of decode attention's grid prefetching the o projection's weight into L2 (no wait, no fork)
 made batch-1 decode 2.64-2.69 ms a step against 2.60 (tools/README.md).
+Other late launchers than the default were measured in whole steps and none gained (decode
+attention, rotary, the one-row GEMVs), nor did the late-launching skinny GEMM letting its
+successor launch after its K loop rather than at its end (3% slower at 8-32 rows).
 
 A kernel launched without PDL (cuBLAS, torch's own) keeps full stream order on both sides.
 ``kernels.backend.use_pdl`` decides whether a launch uses it (never on CPU, in Triton's
