@@ -96,7 +96,8 @@ def _rotate_heads(
     sin,
     half,
     head_dim,
-    norm_ptr,
+    norm_w1,
+    norm_w2,
     eps,
     HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -119,11 +120,9 @@ def _rotate_heads(
         # Only with full rotary (PASS == 0): the two halves are the whole head.
         mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / head_dim
         inv_rms = tl.rsqrt(mean_square + eps)[:, None]
-        w1 = tl.load(norm_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
-        w2 = tl.load(norm_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
         # Rounded to the input dtype as the separate norm's output would be.
-        x1 = (x1 * inv_rms * w1[None, :]).to(in_ty).to(tl.float32)
-        x2 = (x2 * inv_rms * w2[None, :]).to(in_ty).to(tl.float32)
+        x1 = (x1 * inv_rms * norm_w1[None, :]).to(in_ty).to(tl.float32)
+        x2 = (x2 * inv_rms * norm_w2[None, :]).to(in_ty).to(tl.float32)
     out_ty = dst_ptr.dtype.element_ty
     tl.store(dst, (x1 * cos[None, :] - x2 * sin[None, :]).to(out_ty), mask=mask)
     tl.store(dst + half, (x2 * cos[None, :] + x1 * sin[None, :]).to(out_ty), mask=mask)
@@ -178,17 +177,29 @@ def _rotary_kernel(
     USE_PDL: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
 ):
-    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     # Grid (tokens, q head groups + 1): programs below the last of a token each rotate
     # Q_HEADS of its q heads; the last rotates its k heads and writes k and v to the cache.
     # Short programs, many of them: a decode batch of a few tokens still spreads over the SMs.
     token = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
+    is_q = part < tl.num_programs(1) - 1
+    # Positions, slots, the angle tables and the norm weights are written before the step's
+    # first kernel: read before the wait (kernels/pdl.py), their chain of loads (position,
+    # then its angles) overlaps the projection before instead of following it.
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + position * stride_cos + dims, mask=dims < half, other=0.0)
     sin = tl.load(sin_ptr + position * stride_cos + dims, mask=dims < half, other=0.0)
-    if part < tl.num_programs(1) - 1:
+    norm_w1 = cos
+    norm_w2 = sin
+    if NORM:
+        norm_ptr = tl.where(is_q, q_norm_ptr, k_norm_ptr)
+        norm_w1 = tl.load(norm_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
+        norm_w2 = tl.load(norm_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
+    if STORE_KV:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
+    if is_q:
         first_head = part * Q_HEADS
         _rotate_heads(
             q_ptr + token * stride_q_token + first_head * stride_q_head,
@@ -200,7 +211,8 @@ def _rotary_kernel(
             sin,
             half,
             head_dim,
-            q_norm_ptr,
+            norm_w1,
+            norm_w2,
             eps,
             Q_HEADS,
             HALF,
@@ -212,7 +224,6 @@ def _rotary_kernel(
         kv_heads = tl.arange(0, KV_HEADS)
         kv_mask = kv_heads < num_kv_heads
         if STORE_KV:
-            slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
             # A negative slot is a padding token: no head is written.
             kv_mask = kv_heads < tl.where(slot >= 0, num_kv_heads, 0)
             k_dst = k_cache_ptr + slot * stride_cache_slot
@@ -230,7 +241,8 @@ def _rotary_kernel(
             sin,
             half,
             head_dim,
-            k_norm_ptr,
+            norm_w1,
+            norm_w2,
             eps,
             KV_HEADS,
             HALF,

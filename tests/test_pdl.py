@@ -171,17 +171,22 @@ def test_every_launch_names_a_known_kernel():
 
 def _attention_chain(state: dict[str, torch.Tensor], steps: int) -> torch.Tensor:
     """Rotary writes this step's key and value into the paged cache, decode attention reads
-    them (and its block table) right after, a linear layer reads the attention's output."""
+    them (and its block table) right after, a linear layer reads the attention's output.
+    Each step's positions and context lengths are made first, as a decode step's inputs are,
+    so that attention directly follows rotary."""
     from kernels.attention import paged_attention
     from kernels.linear import linear
     from kernels.rotary import rotary_and_store_kv
 
-    q_all, kv_all, out = state["q"], state["kv"], None
+    q_all, kv_all, outs = state["q"], state["kv"], []
     num_heads, head_dim = q_all.shape[-2:]
+    positions = [state["positions"] + step for step in range(steps)]
+    context_lens = [state["context_lens"] + step for step in range(steps)]
+    queries = [q_all[step].clone() for step in range(steps)]
     for step in range(steps):
         q = rotary_and_store_kv(
-            state["positions"] + step,
-            q_all[step].clone(),
+            positions[step],
+            queries[step],
             kv_all[step, :, 0],
             kv_all[step, :, 1],
             state["cos"],
@@ -195,20 +200,21 @@ def _attention_chain(state: dict[str, torch.Tensor], steps: int) -> torch.Tensor
             state["k_cache"],
             state["v_cache"],
             state["block_tables"],
-            state["context_lens"] + step,
+            context_lens[step],
             state["query_start_loc"],
             head_dim**-0.5,
             max_query_len=1,
             max_context_len=state["block_tables"].shape[1] * state["k_cache"].shape[1],
         )
-        out = linear(attn.reshape(attn.shape[0], num_heads * head_dim), state["o_weight"])
-    assert out is not None
-    return out
+        outs.append(linear(attn.reshape(attn.shape[0], num_heads * head_dim), state["o_weight"]))
+    return torch.stack(outs)
 
 
 @needs_hopper
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-@pytest.mark.parametrize("context", [5, 700])
+# The newest token in the first tile of a one-split context, of the last of many one-tile
+# splits, and in the second tile of a 128-token split.
+@pytest.mark.parametrize("context", [5, 700, 3179])
 def test_attention_chain_same_with_and_without_pdl(pdl_switch, graph, context):
     g = torch.Generator(device="cuda").manual_seed(context)
     dtype, device = torch.bfloat16, "cuda"
