@@ -69,6 +69,12 @@ def linear_ref(
 
 
 @triton_jit
+def _weight_tile(rows, index, K, BLOCK_K: tl.constexpr):
+    ks = index * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(rows + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+
+
+@triton_jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -98,6 +104,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PREFETCH_TILES: tl.constexpr,
     USE_PDL: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
 ):
@@ -112,6 +119,12 @@ def _gemv_kernel(
     safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
     safe_features = tl.where(feature_mask, features, 0).to(tl.int64)
     w_rows = w_ptr + safe_features[:, None] * stride_w_row
+    # Weights are written before the step: the first tiles may be read before the wait
+    # (kernels/linear_configs.py says when).
+    if PREFETCH_TILES >= 1:
+        w_0 = _weight_tile(w_rows, 0, K, BLOCK_K)
+    if PREFETCH_TILES >= 2:
+        w_1 = _weight_tile(w_rows, 1, K, BLOCK_K)
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     if NORMED:
         square_sums = pending_norm.load_square_sums(
@@ -126,7 +139,11 @@ def _gemv_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
+    if PREFETCH_TILES >= 1:
+        acc += _weight_tile(x_rows, 0, K, BLOCK_K).to(tl.float32) * w_0.to(tl.float32)
+    if PREFETCH_TILES >= 2:
+        acc += _weight_tile(x_rows, 1, K, BLOCK_K).to(tl.float32) * w_1.to(tl.float32)
+    for k_start in range(PREFETCH_TILES * BLOCK_K, K, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_rows + ks[None, :])
@@ -204,9 +221,10 @@ def _gemv(
     normed: PendingNorm | None = None,
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
+    prefetch_tiles: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Launch the GEMV. With ``normed``, ``x`` is its stream and the norm is applied on the
-    way in; with ``residual`` and ``norm_weight``, the output is ``round(x @ weight.T) +
+    """Launch the GEMV, reading ``prefetch_tiles`` weight tiles before the PDL wait. With
+    ``normed``, ``x`` is its stream and the norm is applied on the way in; with ``residual`` and ``norm_weight``, the output is ``round(x @ weight.T) +
     residual``, the second result its rows' sums of squares, one slot per ``GROUP_TILES``
     feature tiles, and the third the output times ``norm_weight``."""
     num_rows, k = x.shape
@@ -253,6 +271,7 @@ def _gemv(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0,
+        PREFETCH_TILES=prefetch_tiles,
         USE_PDL=with_pdl,
         LAUNCH_SUCCESSOR=pdl.launch_successor(
             with_pdl, "gemv_add" if residual is not None else "gemv"
@@ -304,19 +323,27 @@ def linear_add_residual_triton(
     residual: torch.Tensor,
     norm_weight: torch.Tensor,
     config: LinearConfig,
+    prefetch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``s = round(x [M, K] @ weight.T) + residual [M, N]``, rounded; its rows' sums of
     squares ``[M, groups]`` float32; and ``s * norm_weight``: what the RMSNorm that follows
-    needs (kernels/pending_norm.py)."""
+    needs (kernels/pending_norm.py). With ``prefetch`` the kernel reads its first weight
+    tiles before waiting on the kernel before it (``prefetch_tiles``): for a projection
+    whose input comes from a kernel that leaves the memory bandwidth idle."""
     x = _checked(x, weight)
     if tuple(residual.shape) != (x.shape[0], weight.shape[0]):
         raise ValueError(f"residual {tuple(residual.shape)} does not match the output")
     residual = residual.contiguous()
     load_triton()
+    from kernels.linear_configs import prefetch_tiles
+
+    tiles = prefetch_tiles(config, x.shape[1]) if prefetch else 0
     if config.kind == "gemv":
-        out, sums, weighted = _gemv(x, weight, None, config, None, residual, norm_weight)
+        out, sums, weighted = _gemv(x, weight, None, config, None, residual, norm_weight, tiles)
     else:
-        out, sums, weighted = skinny_gemm_add_residual(x, weight, residual, norm_weight, config)
+        out, sums, weighted = skinny_gemm_add_residual(
+            x, weight, residual, norm_weight, config, tiles
+        )
     assert sums is not None and weighted is not None
     return out, sums, weighted
 

@@ -145,6 +145,33 @@ def skinny_config(num_rows: int, n: int, k: int, silu_mul: bool = False) -> Line
     return skinny_rule(num_rows, n, k, silu_mul)
 
 
+# Weight tiles a projection reads before its PDL wait when its caller asks for it: the o
+# projection, after decode attention, which leaves the memory bandwidth mostly idle
+# (worker_proc/models/llama.py). H200, Qwen3-4B, alternated in process: batch-1 steps at
+# context 128 / 4k took 2.46 / 2.74 ms with two one-row GEMV tiles (2 x 1,024 of K a program,
+# half of o's weight) against 2.52 / 2.79 with none, 2.48 / 2.76 with one, 2.52 / 2.79 with
+# three, 2.51 / 2.76 with four. At 8 / 16 / 32 rows two skinny GEMM tiles gave 3.21 / 3.51 /
+# 4.24 ms against 3.22 / 3.51 / 4.28 with none, four the same as two. The environment's
+# ``PEGAINFER_GEMV_PREFETCH_TILES`` and ``PEGAINFER_SKINNY_PREFETCH_TILES`` replace them.
+GEMV_PREFETCH_TILES = 2
+SKINNY_PREFETCH_TILES = 2
+MAX_PREFETCH_TILES = 2
+
+
+def prefetch_tiles(config: LinearConfig, k: int) -> int:
+    """The weight tiles a launch of ``config`` over ``k`` input features reads before its
+    wait, when its caller asks for a prefetch: at most one split's."""
+    if config.kind == "gemv":
+        if config.block_m != 1:
+            return 0
+        tiles = int(os.environ.get("PEGAINFER_GEMV_PREFETCH_TILES", GEMV_PREFETCH_TILES))
+        span = k
+    else:
+        tiles = int(os.environ.get("PEGAINFER_SKINNY_PREFETCH_TILES", SKINNY_PREFETCH_TILES))
+        span = cdiv(k, config.split_k)
+    return max(0, min(tiles, MAX_PREFETCH_TILES, cdiv(span, config.block_k)))
+
+
 def pick_config(num_rows: int, n: int, k: int) -> LinearConfig | None:
     """The Triton kernel for ``num_rows`` rows of an ``N x K`` weight; None: cuBLAS."""
     if num_rows == 1:

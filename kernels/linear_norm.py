@@ -77,12 +77,14 @@ def linear_add_rms_norm(
     residual: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
+    prefetch: bool = False,
 ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
-    """``(normed, new residual)``; ``normed`` may be a ``PendingNorm`` (see above)."""
+    """``(normed, new residual)``; ``normed`` may be a ``PendingNorm`` (see above).
+    ``prefetch``: see ``kernels.linear.linear_add_residual_triton``."""
     config = fusion_config(x, weight)
     if config is None or residual.dtype != x.dtype:
         return fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps)
     stream, square_sums, weighted = linear_add_residual_triton(
-        x, weight, residual, norm_weight, config
+        x, weight, residual, norm_weight, config, prefetch
     )
     return PendingNorm(stream, norm_weight, eps, square_sums, weighted), stream

@@ -10,7 +10,7 @@ which is most of the gap between two kernels of a CUDA graph.
 
 Rules every kernel launched with PDL keeps, so that no overlap can race:
 - before ``wait_for_inputs`` it reads only memory written before the step's first kernel
-  (context lengths, block tables) and writes nothing;
+  (context lengths, block tables, positions, weights) and writes nothing;
 - ``wait_for_inputs`` lets the next kernel launch only after this one's wait, so at most the
   predecessor is still running while a program is before its wait.
 
@@ -21,15 +21,24 @@ at 8 and 32 rows 3-14% slower, most likely because its programs were placed besi
 running ones (tools/README.md). ``PEGAINFER_LATE_LAUNCH`` names the kernels that launch
 their successor late instead, to try another choice in whole steps.
 
-Prefetching before the wait was measured and is not done: an L2 prefetch of a linear layer's
-weight slice (and of decode attention's first K/V tile) made batch-1 decode 3.20 ms a step
-against 2.70 ms with none, and loading the first weight tile into registers gave 2.72 ms.
-Every kernel letting its successor launch only as it ends (all names in
-``PEGAINFER_LATE_LAUNCH`` today) gave 2.86 ms.
+What is read before the wait:
+- decode attention reads its sequence's context length and block table; rotary its token's
+  position, angles, cache slot and q/k norm weights (batch-1 steps 2.53 -> 2.50 ms at
+  context 128, 8-32 rows up to 1.4% faster: their chain of loads overlaps the projection
+  before);
+- the o projection, which follows decode attention (latency bound, the memory bandwidth
+  mostly idle), reads its first weight tiles (``prefetch`` in kernels/linear.py; tiles in
+  kernels/linear_configs.py): batch-1 steps 2.52 -> 2.46 ms at context 128.
+Measured and not done: every one-row GEMV reading its first weight tile (2.72 against 2.70
+ms a batch-1 step, an earlier version: those after a bandwidth-bound kernel only compete
+with it); an L2 prefetch of a linear layer's weight slice and of decode attention's first
+K/V tile (3.20 against 2.70 ms); decode attention reading its first K/V tile, all but the
+newest token, into registers (batch 1 unchanged, 8-64 rows 6-9% slower: most likely the
+peeled tile's shared memory cost programs a SM).
 The skinny GEMM of 2-64 rows reading one or two weight tiles before the wait was 0.1-0.5 us
-slower a projection than reading none (``tools/tune_linear``, 8 and 32 rows). Extra programs
-of decode attention's grid prefetching the o projection's weight into L2 (no wait, no fork)
-made batch-1 decode 2.64-2.69 ms a step against 2.60 (tools/README.md).
+slower a projection than reading none alone (``tools/tune_linear``, nothing to overlap).
+Extra programs of decode attention's grid prefetching the o projection's weight into L2 (no
+wait, no fork) made batch-1 decode 2.64-2.69 ms a step against 2.60 (tools/README.md).
 Other late launchers than the default were measured in whole steps and none gained (decode
 attention, rotary, the one-row GEMVs), nor did the late-launching skinny GEMM letting its
 successor launch after its K loop rather than at its end (3% slower at 8-32 rows).

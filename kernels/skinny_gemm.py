@@ -96,6 +96,7 @@ def _skinny_gemm_kernel(
     DOT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
+    PREFETCH_TILES: tl.constexpr,
 ):
     skinny_tile.skinny_gemm_tile(
         x_ptr,
@@ -133,6 +134,7 @@ def _skinny_gemm_kernel(
         USE_PDL,
         True,
         LAUNCH_SUCCESSOR,
+        PREFETCH_TILES,
     )
 
 
@@ -231,6 +233,7 @@ def skinny_gemm(
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     paired: bool = False,
+    prefetch_tiles: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [M, K] @ weight [N, K].T (+ bias) -> [M, N]`` for ``1 <= M <= 64``; with
     ``silu_mul``, ``weight`` is ``[gate | up]`` (``2 * n`` rows, no bias) and the result
@@ -239,7 +242,8 @@ def skinny_gemm(
     With ``normed`` (whose weighted stream is ``x``) the pending RMSNorm's row scale is
     applied. With ``residual [M, N]`` and ``norm_weight [N]`` the result is ``(s, square
     sums [M, tiles], s * norm_weight)`` for ``s = round(x @ weight.T) + residual``: what the
-    norm that follows needs (kernels/pending_norm.py)."""
+    norm that follows needs (kernels/pending_norm.py). A plain projection may read
+    ``prefetch_tiles`` weight tiles of its split before the PDL wait."""
     num_rows, k = x.shape
     if not 0 < num_rows <= MAX_ROWS:
         raise ValueError(f"the skinny GEMM takes 1-{MAX_ROWS} rows, got {num_rows}")
@@ -319,6 +323,7 @@ def skinny_gemm(
         num_warps=num_warps,
         num_stages=num_stages,
         **({"PAIRED": paired} if silu_mul else {}),
+        **({} if silu_mul else {"PREFETCH_TILES": prefetch_tiles}),
         **pdl.launch_options(with_pdl),
     )
     return out if out_sums is None else (out, out_sums, weighted)
@@ -362,10 +367,17 @@ def skinny_gemm_add_residual(
     residual: torch.Tensor,
     norm_weight: torch.Tensor,
     config: LinearConfig,
+    prefetch_tiles: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``skinny_gemm`` ending in the residual add, with a ``LinearConfig``'s tile."""
     out = skinny_gemm(
-        x, weight, None, *_tile_args(config), residual=residual, norm_weight=norm_weight
+        x,
+        weight,
+        None,
+        *_tile_args(config),
+        residual=residual,
+        norm_weight=norm_weight,
+        prefetch_tiles=prefetch_tiles,
     )
     assert isinstance(out, tuple)
     return out

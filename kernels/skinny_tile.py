@@ -41,6 +41,23 @@ def _tile_dot(
 
 
 @triton_jit
+def _split_tile(rows, k_begin, index, k_end, BLOCK_K: tl.constexpr):
+    ks = k_begin + index * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(rows + ks[None, :], mask=(ks < k_end)[None, :], other=0.0)
+
+
+@triton_jit
+def _prefetched_dot(
+    acc, w, x_rows, k_begin, index, k_end, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr
+):
+    x = _split_tile(x_rows, k_begin, index, k_end, BLOCK_K)
+    if DOT_FP32:
+        w = w.to(tl.float32)
+        x = x.to(tl.float32)
+    return tl.dot(w, tl.trans(x), acc)
+
+
+@triton_jit
 def _tile_dot_pair(
     acc,
     up_acc,
@@ -130,6 +147,7 @@ def skinny_gemm_tile(
     USE_PDL: tl.constexpr,
     PAIRED: tl.constexpr = True,
     LAUNCH_SUCCESSOR: tl.constexpr = True,
+    PREFETCH_TILES: tl.constexpr = 0,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -145,6 +163,11 @@ def skinny_gemm_tile(
     x_rows = x_ptr + safe_rows[:, None] * stride_x_row
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
+    # Weights are written before the step: the split's first tiles may be read before the wait.
+    if PREFETCH_TILES >= 1:
+        w_0 = _split_tile(w_rows, k_begin, 0, k_end, BLOCK_K)
+    if PREFETCH_TILES >= 2:
+        w_1 = _split_tile(w_rows, k_begin, 1, k_end, BLOCK_K)
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     if NORMED:
         square_sums = pending_norm.load_square_sums(
@@ -175,7 +198,12 @@ def skinny_gemm_tile(
                 up_acc, x_rows, up_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32
             )
     else:
-        acc = _tile_dot(acc, x_rows, w_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
+        if PREFETCH_TILES >= 1:
+            acc = _prefetched_dot(acc, w_0, x_rows, k_begin, 0, k_end, BLOCK_K, DOT_FP32)
+        if PREFETCH_TILES >= 2:
+            acc = _prefetched_dot(acc, w_1, x_rows, k_begin, 1, k_end, BLOCK_K, DOT_FP32)
+        loop_begin = tl.minimum(k_begin + PREFETCH_TILES * BLOCK_K, k_end)
+        acc = _tile_dot(acc, x_rows, w_rows, loop_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
 
     last = True
     if SPLIT:

@@ -15,6 +15,12 @@ from triton_test_util import CUDA, DEVICE, check, gen, gpu_only, poisoned, randn
 import kernels
 from kernels.attention_merge import split_counters
 from kernels.linear import LinearConfig, linear_add_residual_triton, linear_ref, linear_triton
+from kernels.linear_configs import (
+    GEMV_PREFETCH_TILES,
+    MAX_PREFETCH_TILES,
+    SKINNY_PREFETCH_TILES,
+    prefetch_tiles,
+)
 from kernels.linear_fused import linear_silu_and_mul_ref, linear_silu_and_mul_triton
 from kernels.linear_norm import fused_rows_limit, linear_add_rms_norm, linear_add_rms_norm_ref
 from kernels.pending_norm import PendingNorm, as_tensor
@@ -77,6 +83,53 @@ def test_producer_adds_the_residual_and_sums_the_squares(
     assert not sums.isnan().any(), f"{what}: a slot of the sums was never written"
     torch.testing.assert_close(sums.sum(dim=1), stream.float().pow(2).sum(dim=1), rtol=1e-5, atol=0)
     assert _counters_clear(), f"{what}: a group counter was left set"
+
+
+# Producers reading weight tiles before the PDL wait: the GEMV over three tiles and over a
+# partial third, the skinny GEMM at one tile a split and with a short last split.
+PREFETCHED = [
+    (1, 80, 96, LinearConfig("gemv", 2, 32, 1)),
+    (1, 64, 80, LinearConfig("gemv", 2, 32, 1)),
+    (2, 80, 96, LinearConfig("skinny", 16, 32, 4, 16, 3, 2)),
+    (20, 40, 100, LinearConfig("skinny", 32, 32, 4, 32, 2, 2)),
+]
+
+
+@pytest.mark.parametrize("rows,n,k,config", PREFETCHED)
+@pytest.mark.parametrize("tiles", ["1", "2"])
+def test_prefetched_weight_tiles_give_the_same_bits(rows, n, k, config, tiles, monkeypatch):
+    dtype = DTYPES[-1]
+    x, weight, residual, norm_weight = _producer_inputs(rows, n, k, dtype, rows + n + k + 1)
+    plain = linear_add_residual_triton(x, weight, residual, norm_weight, config)
+    monkeypatch.setenv("PEGAINFER_GEMV_PREFETCH_TILES", tiles)
+    monkeypatch.setenv("PEGAINFER_SKINNY_PREFETCH_TILES", tiles)
+    assert prefetch_tiles(config, k) > 0
+    with poisoned():
+        fetched = linear_add_residual_triton(
+            x, weight, residual, norm_weight, config, prefetch=True
+        )
+    what = f"rows={rows} n={n} k={k} {config} prefetching {tiles}"
+    want = (linear_ref(x, weight).float() + residual.float()).to(dtype)
+    check(fetched[0], want, what)
+    for got, before, part in zip(fetched, plain, ("stream", "sums", "weighted")):
+        assert torch.equal(got, before), f"{what}: {part} differs from the plain launch"
+    assert _counters_clear(), f"{what}: a counter was left set"
+
+
+def test_prefetch_tiles_stay_within_the_weight(monkeypatch):
+    monkeypatch.delenv("PEGAINFER_GEMV_PREFETCH_TILES", raising=False)
+    monkeypatch.delenv("PEGAINFER_SKINNY_PREFETCH_TILES", raising=False)
+    o_gemv = LinearConfig("gemv", 2, 1024, 4)
+    assert prefetch_tiles(o_gemv, 4096) == GEMV_PREFETCH_TILES
+    assert prefetch_tiles(o_gemv, 900) == 1  # all of K in one tile
+    assert prefetch_tiles(LinearConfig("gemv", 2, 64, 4, block_m=2), 4096) == 0
+    o_skinny = LinearConfig("skinny", 64, 128, 4, 16, 3, 4)
+    assert prefetch_tiles(o_skinny, 4096) == SKINNY_PREFETCH_TILES
+    assert prefetch_tiles(o_skinny, 3 * 128) == 1  # one tile a split
+    monkeypatch.setenv("PEGAINFER_GEMV_PREFETCH_TILES", "0")
+    assert prefetch_tiles(o_gemv, 4096) == 0
+    monkeypatch.setenv("PEGAINFER_SKINNY_PREFETCH_TILES", "9")
+    assert prefetch_tiles(o_skinny, 4096 * 4) == MAX_PREFETCH_TILES
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -169,9 +169,18 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        reduce_results: bool = True,
+        prefetch_weight: bool = False,
     ) -> None:
+        """``prefetch_weight``: the input comes from a kernel that leaves the memory
+        bandwidth idle (decode attention), so the projection's kernel reads its first weight
+        tiles while that one runs (``kernels.linear_add_rms_norm``)."""
         super().__init__()
+        self.prefetch_weight = prefetch_weight
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.input_size_per_rank = divide(input_size, self.tp_size)
         self.output_size = output_size
@@ -201,7 +210,9 @@ class RowParallelLinear(nn.Module):
         apply (kernels/linear_norm.py); shards add after their all-reduce."""
         if self.tp_size > 1 or self.bias is not None:
             return norm(self(x), residual)
-        return kernels.linear_add_rms_norm(x, self.weight, residual, norm.weight, norm.eps)
+        return kernels.linear_add_rms_norm(
+            x, self.weight, residual, norm.weight, norm.eps, self.prefetch_weight
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = kernels.linear(x, self.weight)
