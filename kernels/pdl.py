@@ -33,8 +33,9 @@ Measured and not done: every one-row GEMV reading its first weight tile (2.72 ag
 ms a batch-1 step, an earlier version: those after a bandwidth-bound kernel only compete
 with it); an L2 prefetch of a linear layer's weight slice and of decode attention's first
 K/V tile (3.20 against 2.70 ms); decode attention reading its first K/V tile, all but the
-newest token, into registers (batch 1 unchanged, 8-64 rows 6-9% slower: most likely the
-peeled tile's shared memory cost programs a SM).
+newest token, into registers (batch 1 unchanged, 8-64 rows 6-9% slower: the peeled tile
+took the kernel from 110 to 215 registers a thread, 2 programs a SM instead of 4, as
+compiled offline for sm_90a by Triton 3.6).
 The skinny GEMM of 2-64 rows reading one or two weight tiles before the wait was 0.1-0.5 us
 slower a projection than reading none alone (``tools/tune_linear``, nothing to overlap).
 Extra programs of decode attention's grid prefetching the o projection's weight into L2 (no
