@@ -1,0 +1,78 @@
+"""tools/kernel_resources.py: a decode step's kernels compiled for sm_90 without a GPU, and
+the programs-per-SM arithmetic."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.kernel_resources import programs_per_sm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_programs_per_sm_names_the_binding_limit():
+    # 255 registers a thread at 4 warps: 8,192 a warp, 32,768 a program.
+    assert programs_per_sm(255, 1024, 4) == (2, "registers")
+    # 80 KiB of shared memory (plus the 1 KiB each program reserves) out of 228 KiB.
+    assert programs_per_sm(56, 80 * 1024, 4) == (2, "shared")
+    # Registers are allocated per warp in units of 256: 37 a thread count as 40.
+    assert programs_per_sm(37, 1024, 2) == (25, "registers")
+    assert programs_per_sm(16, 0, 16) == (4, "warps")
+    assert programs_per_sm(16, 0, 1) == (32, "programs")
+
+
+def test_tool_compiles_every_kernel_of_a_one_row_step(tmp_path):
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "tools.kernel_resources", "--rows", "1", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    kernels = json.loads((tmp_path / "kernel_resources.json").read_text())["kernels"]
+    parts = [k["part"] for k in kernels]
+    assert parts == [
+        "qkv",
+        "q/k norm + rotary + kv write",
+        "decode attention",
+        "o",
+        "gate_up",
+        "down",
+        "lm_head",
+    ]
+    for kernel in kernels:
+        assert 0 < kernel["registers"] <= 255, kernel
+        assert 1 <= kernel["per_sm"] <= 32, kernel
+        assert kernel["programs"] > 0, kernel
+    by_part = {k["part"]: k for k in kernels}
+    # Qwen3-4B at one row: 6,144 qkv features two a program; o's weight read early costs
+    # registers, not shared memory (the GEMV has none but its reduction's scratch).
+    assert by_part["qkv"]["programs"] == 3072
+    assert by_part["o"]["kernel"] == "_gemv_kernel"
+    assert by_part["o"]["shared"] <= 2048
+    assert "decode-step kernels, qwen3 4b" in result.stdout
+
+
+def test_tool_refuses_the_interpreter(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run(
+        [sys.executable, "-m", "tools.kernel_resources", "--rows", "1", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "TRITON_INTERPRET" in result.stderr
