@@ -1,8 +1,10 @@
 """Kernels: each a plain PyTorch reference beside the dispatch function the models call."""
 
 from kernels.activation import silu_and_mul
+from kernels.argmax import argmax_rows
 from kernels.attention import paged_attention, store_kv
 from kernels.backend import use_triton
+from kernels.embedding import embedding
 from kernels.linear import linear
 from kernels.linear_fused import linear_silu_and_mul
 from kernels.linear_norm import linear_add_rms_norm
@@ -13,7 +15,9 @@ from kernels.rotary import rotary_and_store_kv, rotary_embedding
 
 __all__ = [
     "PendingNorm",
+    "argmax_rows",
     "as_tensor",
+    "embedding",
     "fused_add_rms_norm",
     "linear",
     "linear_add_rms_norm",

@@ -60,7 +60,9 @@ tl = None  # bound to triton.language by kernels.backend.load_triton()
 
 # The kernels a decode step launches with PDL, by the names PEGAINFER_LATE_LAUNCH takes.
 LAUNCHING_KERNELS = (
+    "argmax",
     "decode_attention",
+    "embedding",
     "rotary",
     "rmsnorm",
     "silu_and_mul",

@@ -60,6 +60,25 @@ def test_capture_sizes():
     assert pick_size(257, sizes) is None
 
 
+def test_decode_graphs_take_the_argmax_of_their_logits():
+    """Each replay leaves its rows' argmax beside the logits, for the sampler's greedy rows."""
+    from worker_proc.cuda_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs([1, 4], 4, 64, 50, torch.float32, torch.device("cpu"))
+    table = torch.randn(500, 50)
+
+    def forward_logits(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return table[input_ids + positions]
+
+    graphs.capture(forward_logits, EagerGraphBackend())
+    for size, ids in ((4, [3, 99, 7, 250]), (1, [41])):
+        graphs.input_ids[:size] = torch.tensor(ids)
+        graphs.positions[:size] = torch.arange(size)
+        logits = graphs.replay(size)
+        assert torch.equal(logits, table[graphs.input_ids[:size] + graphs.positions[:size]])
+        assert torch.equal(graphs.greedy_tokens[:size], logits.argmax(dim=-1))
+
+
 def test_prefill_graph_for_a_batch_has_room_for_its_sequences():
     """Graphs from 512 tokens hold every sequence of a mixed step (up to ``max_seqs``);
     smaller ones hold four, so few tokens in many sequences go up to the 512-token graph."""

@@ -235,9 +235,9 @@ def test_runner_hands_penalised_rows_their_history(runner, monkeypatch):
     seen = []
     original = runner.sampler.sample
 
-    def spy(logits, batch, positions=None, histories=None):
+    def spy(logits, batch, positions=None, histories=None, **kwargs):
         seen.append(None if histories is None else [(list(t), n) for t, n in histories])
-        return original(logits, batch, positions, histories)
+        return original(logits, batch, positions, histories, **kwargs)
 
     monkeypatch.setattr(runner.sampler, "sample", spy)
     penalised = SamplingParams(temperature=0.0, frequency_penalty=0.5)

@@ -31,6 +31,7 @@ from typing import Protocol
 
 import torch
 
+import kernels
 from worker_proc.forward_context import ForwardContext, set_forward_context
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,9 @@ class DecodeGraphs:
         # Every graph copies its logits here, so one logits buffer stays allocated instead of
         # one per size in the pool (at a 150k vocabulary those add up to most of a GiB).
         self.logits = torch.empty((n, vocab_size), dtype=logits_dtype, device=device)
+        # Each row's argmax, taken inside the graph right after the LM head: a greedy batch
+        # then launches no sampling kernel of its own (worker_proc/model_runner.py).
+        self.greedy_tokens = torch.zeros(n, dtype=torch.int64, device=device)
         self._replays: dict[int, Replay] = {}
 
     def context(self, size: int) -> ForwardContext:
@@ -171,13 +175,19 @@ class DecodeGraphs:
             context = self.context(size)
             input_ids, positions = self.input_ids[:size], self.positions[:size]
 
-            logits = self.logits[:size]
+            logits, greedy = self.logits[:size], self.greedy_tokens[:size]
 
             def run(
-                context=context, input_ids=input_ids, positions=positions, logits=logits
+                context=context,
+                input_ids=input_ids,
+                positions=positions,
+                logits=logits,
+                greedy=greedy,
             ) -> torch.Tensor:
                 with set_forward_context(context):
-                    logits.copy_(forward_logits(input_ids, positions))
+                    computed = forward_logits(input_ids, positions)
+                    kernels.argmax_rows(computed, out=greedy)
+                    logits.copy_(computed)
                 return logits
 
             self._replays[size] = backend.capture(run)
@@ -215,7 +225,8 @@ class DecodeGraphs:
         torch.index_select(slot_block_tables, 0, row_slots, out=self.block_tables[:size])
 
     def replay(self, size: int) -> torch.Tensor:
-        """Logits ``[size, vocab]`` of the loaded batch; valid until the next replay."""
+        """Logits ``[size, vocab]`` of the loaded batch; valid until the next replay, as is
+        ``greedy_tokens[:size]``, their argmax."""
         return self._replays[size]()
 
 

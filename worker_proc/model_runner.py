@@ -253,6 +253,7 @@ class ModelRunner:
             query_start_loc,
         ) = self.uploader.upload(layout.arrays())
         last_token = self.slots.last_token
+        greedy_tokens = None  # each sampling row's argmax, where a decode graph took it
         if size is not None:
             graphs = self.graphs
             assert graphs is not None
@@ -272,7 +273,13 @@ class ModelRunner:
                 graphs.replay(size)
                 self.results.push(step_id, [], None)
                 return
-            logits = graphs.replay(size).index_select(0, sample_index)
+            logits, greedy_tokens = graphs.replay(size), graphs.greedy_tokens
+            count = len(layout.sample_rows)
+            if layout.sample_rows[-1] == count - 1:  # rows 0 .. count - 1 (they ascend)
+                logits, greedy_tokens = logits[:count], greedy_tokens[:count]
+            else:
+                logits = logits.index_select(0, sample_index)
+                greedy_tokens = greedy_tokens.index_select(0, sample_index)
         elif prefill_size is not None:
             prefill = self.prefill_graphs
             assert prefill is not None
@@ -325,7 +332,9 @@ class ModelRunner:
         if batch.penalised_rows:
             histories = [(s.token_ids, s.num_prompt_tokens) for s in samplers]
         if self.rank == 0:
-            tokens = self.sampler.sample(logits, batch, sample_pos, histories)
+            tokens = self.sampler.sample(
+                logits, batch, sample_pos, histories, greedy_tokens=greedy_tokens
+            )
         else:  # rank 0's tokens are the tokens; the others receive them (parallel_state)
             tokens = torch.empty(len(samplers), dtype=torch.int64, device=self.device)
         tokens = broadcast_from_rank0(tokens)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import kernels
 from pegainfer.protocol import SamplingParams
 from worker_proc.upload import Uploader
 
@@ -234,6 +235,7 @@ class Sampler:
         batch: SamplingBatch,
         positions: torch.Tensor | None = None,
         histories: list[tuple[list[int], int]] | None = None,
+        greedy_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``logits [N, vocab]`` (the model's dtype or float32) -> token ids ``[N]`` int64
         on the device. A greedy batch takes the argmax of the logits as they are (a float32
@@ -241,16 +243,21 @@ class Sampler:
 
         ``positions [N]`` int64 (device): the position of the token each row draws; needed
         when a row is seeded. ``histories`` gives each row's ``(token_ids,
-        num_prompt_tokens)``; needed only when some row has a penalty.
+        num_prompt_tokens)``; needed only when some row has a penalty. ``greedy_tokens
+        [N]``: the argmax of each row of ``logits`` where already taken (the decode graph
+        takes it), used unless a penalty changes the logits.
         """
+        if batch.penalised_rows:
+            greedy_tokens = None
         if batch.all_greedy and not batch.penalised_rows:
-            return logits.argmax(dim=-1)
+            return greedy_tokens if greedy_tokens is not None else kernels.argmax_rows(logits)
         logits = logits.float()
         if batch.penalised_rows:
             if histories is None:
                 raise ValueError("rows with penalties need their token histories")
             logits = self._apply_penalties(logits, batch.params, histories)
-        greedy_tokens = logits.argmax(dim=-1)
+        if greedy_tokens is None:
+            greedy_tokens = kernels.argmax_rows(logits)
         if batch.all_greedy:
             return greedy_tokens
         assert batch.temperatures is not None and batch.greedy is not None
@@ -272,5 +279,5 @@ class Sampler:
             noise.index_copy_(0, batch.seeded_rows, seeded)
         # Clamp so a zero draw cannot turn a masked (zero-probability) entry into 0/0.
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        sampled = probs.div(noise).argmax(dim=-1)
+        sampled = kernels.argmax_rows(probs.div(noise))
         return torch.where(batch.greedy, greedy_tokens, sampled)

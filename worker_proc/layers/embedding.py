@@ -8,7 +8,6 @@ found on exactly one rank); the LM head computes its range of logits and all-gat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -53,10 +52,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
-        in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
-        out = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1).to(self.weight.dtype)
+            return kernels.embedding(input_ids, self.weight)
+        # Ids outside this rank's range come back as zeros; the all-reduce fills them in.
+        out = kernels.embedding(input_ids, self.weight, self.vocab_start)
         return tensor_model_parallel_all_reduce(out)
 
 
