@@ -195,6 +195,21 @@ def test_overlapping_kernels_are_charged_from_the_end_of_the_one_before():
     assert "overlapping" not in format_breakdown("t", plain, SHAPE.num_layers)
 
 
+def test_the_stretch_between_two_steps_is_listed():
+    kernels = step_kernels(steps=3, gap_us=0.5)
+    result = breakdown(kernels, 3, SHAPE, ROOF)
+    stretch = result["between_steps"]
+    # After the LM head: the sampling kernel and a copy, then the next step's first norm.
+    names = [k["name"] for k in stretch["kernels"]]
+    assert names == [TAIL[2][0], TAIL[3][0], LAYER[0][0]]
+    assert [k["start_us"] for k in stretch["kernels"]] == pytest.approx([0.5, 4.0, 5.5])
+    assert [k["gap_us"] for k in stretch["kernels"]] == pytest.approx([0.5] * 3)
+    assert stretch["span_us"] == pytest.approx(0.5 + 3.0 + 0.5 + 1.0 + 0.5 + 2.0 + 0.5)
+    assert "between two steps" in format_breakdown("t", result, SHAPE.num_layers)
+    # Runs that are not whole steps name no LM head, and nothing is listed.
+    assert breakdown(kernels[:-3], 3, SHAPE, ROOF)["between_steps"] is None
+
+
 def test_an_empty_window_is_an_error():
     with pytest.raises(ValueError, match="no device kernels"):
         breakdown([], 1, SHAPE, ROOF)

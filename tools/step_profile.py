@@ -135,6 +135,35 @@ def label_kernels(kernels: Sequence[Kernel], num_layers: int) -> list[str]:
     return parts
 
 
+def between_steps(kernels: Sequence[Kernel], parts: Sequence[str]) -> dict[str, Any] | None:
+    """What the GPU runs from the end of one step's LM head to the start of the next step's
+    first projection (sampling, the next step's input copies, the embedding, the first norm),
+    for the middle such stretch of the window: each kernel's start from the LM head's end,
+    its duration and the idle gap before it. None without two named steps."""
+    heads = [i for i, part in enumerate(parts) if part == LM_HEAD]
+    stretches = []
+    for head in heads:
+        following = next((j for j in range(head + 1, len(parts)) if parts[j] == "qkv"), None)
+        if following is not None:
+            stretches.append((head, following))
+    if not stretches:
+        return None
+    head, first_qkv = stretches[len(stretches) // 2]
+    origin = busy_until = kernels[head].start_us + kernels[head].duration_us
+    rows = []
+    for kernel in kernels[head + 1 : first_qkv]:
+        rows.append(
+            {
+                "name": kernel.name,
+                "start_us": kernel.start_us - origin,
+                "duration_us": kernel.duration_us,
+                "gap_us": max(0.0, kernel.start_us - busy_until),
+            }
+        )
+        busy_until = max(busy_until, kernel.start_us + kernel.duration_us)
+    return {"span_us": kernels[first_qkv].start_us - origin, "kernels": rows}
+
+
 def part_floors_us(
     shape: ModelShape, roof: Roofline, context_lens: Sequence[int]
 ) -> dict[str, float]:
@@ -196,6 +225,7 @@ def breakdown(
         "longest_gap_us": max(gaps, default=0.0),
         "parts": rows,
         "floor_us": sum(floors.values()) if floors else None,
+        "between_steps": between_steps(kernels, parts),
     }
 
 
@@ -220,11 +250,23 @@ def format_breakdown(title: str, result: dict[str, Any], num_layers: int) -> str
     rows.append(
         row("step (first kernel start to last end)", result["step_us"], None, result["floor_us"])
     )
-    return format_table(
+    text = format_table(
         title,
         ["part", "us/step", "us/layer", "kernels/step", "% of step", "floor us", "floor/time %"],
         rows,
     )
+    stretch = result.get("between_steps")
+    if stretch:
+        text += "\n\n" + format_table(
+            f"between two steps: {stretch['span_us']:.1f} us from the LM head's end to the next "
+            "step's qkv",
+            ["kernel", "start us", "us", "idle before us"],
+            [
+                [k["name"][:70], k["start_us"], k["duration_us"], k["gap_us"]]
+                for k in stretch["kernels"]
+            ],
+        )
+    return text
 
 
 def summarize_profile(

@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 
 import kernels
+from kernels.decode_inputs import load_decode_inputs
 from worker_proc.forward_context import ForwardContext, set_forward_context
 
 logger = logging.getLogger(__name__)
@@ -215,14 +216,31 @@ class DecodeGraphs:
         context_lens: torch.Tensor,
         slot_block_tables: torch.Tensor,
         row_slots: torch.Tensor,
+        max_blocks: int,
+        last_token: torch.Tensor,
+        pending_index: torch.Tensor,
+        pending_slot: torch.Tensor,
     ) -> None:
-        """Fill the static buffers of ``size`` rows (inputs already padded to ``size``);
-        each row's block table row is gathered from the persistent per-slot table."""
-        self.input_ids[:size].copy_(input_ids)
-        self.positions[:size].copy_(positions)
-        self.slot_mapping[:size].copy_(slot_mapping)
-        self.context_lens[:size].copy_(context_lens)
-        torch.index_select(slot_block_tables, 0, row_slots, out=self.block_tables[:size])
+        """Fill the static buffers of ``size`` rows (inputs already padded to ``size``) in
+        one launch (kernels/decode_inputs.py): each row's block table row is gathered from
+        the persistent per-slot table (its first ``max_blocks`` columns, all that attention
+        reads at this step's longest context), and the rows ``pending_index`` take their
+        token from ``last_token[pending_slot]``."""
+        load_decode_inputs(
+            (
+                self.input_ids[:size],
+                self.positions[:size],
+                self.slot_mapping[:size],
+                self.context_lens[:size],
+            ),
+            (input_ids, positions, slot_mapping, context_lens),
+            self.block_tables[:size, :max_blocks],
+            slot_block_tables,
+            row_slots,
+            last_token,
+            pending_index,
+            pending_slot,
+        )
 
     def replay(self, size: int) -> torch.Tensor:
         """Logits ``[size, vocab]`` of the loaded batch; valid until the next replay, as is

@@ -265,10 +265,11 @@ class ModelRunner:
                 context_lens,
                 self.slots.block_tables,
                 row_slots,
+                layout.max_blocks,
+                last_token,
+                pending_index,
+                pending_slot,
             )
-            if len(layout.pending_index):
-                pending = last_token.index_select(0, pending_slot)
-                graphs.input_ids.index_copy_(0, pending_index, pending)
             if not layout.sample_rows:
                 graphs.replay(size)
                 self.results.push(step_id, [], None)

@@ -21,7 +21,7 @@ from worker_proc.batch import SequenceState
 class _Pending:
     step_id: int
     seqs: list[SequenceState]  # the sequences that sampled, in batch order
-    host_tokens: torch.Tensor | None  # [len(seqs)] int32 on the host, maybe still filling
+    host_tokens: torch.Tensor | None  # [len(seqs)] on the host, maybe still filling
     event: torch.cuda.Event | None
 
 
@@ -43,9 +43,10 @@ class ResultQueue:
         if tokens is None or not seqs:
             self._pending.append(_Pending(step_id, [], None, None))
             return
-        tokens = tokens.to(torch.int32)
         if self.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=torch.int32, pin_memory=True)
+            # Copied as they are (int64 from the sampler): a cast on the device would be one
+            # more kernel between two steps; the host packs them as int32 anyway.
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
