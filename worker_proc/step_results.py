@@ -51,8 +51,8 @@ class ResultQueue:
             event = torch.cuda.Event()
             event.record()
             self._pending.append(_Pending(step_id, seqs, host, event))
-        else:
-            self._pending.append(_Pending(step_id, seqs, tokens, None))
+        else:  # a copy: the tokens may be a view of a graph's buffer, which the next step reuses
+            self._pending.append(_Pending(step_id, seqs, tokens.clone(), None))
 
     def poll(self, wait: bool = False) -> list[StepResult]:
         """The results whose tokens have reached the host, oldest first; with ``wait``, all
