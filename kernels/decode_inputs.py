@@ -54,7 +54,8 @@ def _copy_rows(src_ptr, dst_ptr, rows, num_rows):
     tl.store(dst_ptr + rows, tl.load(src_ptr + rows, mask=mask), mask=mask)
 
 
-@triton_jit
+# Row, pending and column counts change from step to step: one compiled variant for all.
+@triton_jit(do_not_specialize=("num_rows", "num_pending", "width"))
 def _decode_inputs_kernel(
     src_ids_ptr,
     src_positions_ptr,

@@ -192,6 +192,7 @@ class DecodeGraphs:
                 return logits
 
             self._replays[size] = backend.capture(run)
+        self._compile_loader()
         elapsed = time.monotonic() - started
         logger.info(
             "captured %d decode graphs in %.2f s, batch sizes %s",
@@ -200,6 +201,28 @@ class DecodeGraphs:
             _ranges(self.sizes),
         )
         return elapsed
+
+    def _compile_loader(self) -> None:
+        """Run the input loader once on the padding values, so that its kernel is compiled
+        at start-up rather than by the first decode step."""
+        rows = self.sizes[0]
+        static = (
+            self.input_ids[:rows],
+            self.positions[:rows],
+            self.slot_mapping[:rows],
+            self.context_lens[:rows],
+        )
+        none = self.input_ids[:0]
+        load_decode_inputs(
+            static,
+            tuple(t.clone() for t in static),
+            self.block_tables[:rows, :1],
+            self.block_tables,
+            torch.zeros(rows, dtype=torch.int64, device=self.input_ids.device),
+            self.input_ids,
+            none,
+            none,
+        )
 
     def size_for(self, num_seqs: int, max_query_len: int) -> int | None:
         """The graph that runs this batch, or None when it must run eagerly."""
