@@ -2,21 +2,42 @@
 
 Both kinds share the backend's memory pool. A capture that fails (a kernel that syncs with
 the host, say) is logged and leaves that kind of step eager; serving still works.
+
+``compile_graph_kernels`` goes through the same captures first with ``CompileOnlyBackend``,
+under ``kernels.compile_ahead``: each capture's function runs once with its Triton launches
+caught, so every kernel variant the captures need compiles in parallel before the real
+warm-up runs launch them one after another.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from kernels.compile_ahead import CompileAheadReport, compile_for, fingerprint
 from pegainfer.config import EngineConfig
-from worker_proc.cuda_graphs import DecodeGraphs, GraphBackend, capture_sizes
+from worker_proc.cuda_graphs import DecodeGraphs, GraphBackend, Replay, capture_sizes
 from worker_proc.prefill_graphs import MAX_SEQS, PrefillGraphs, prefill_token_sizes
 
 logger = logging.getLogger(__name__)
+
+
+class CompileOnlyBackend:
+    """Runs each function once and records nothing (see ``compile_graph_kernels``)."""
+
+    records = False
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Replay:
+        fn()
+
+        def replay() -> torch.Tensor:
+            raise RuntimeError("a compile-only capture has nothing to replay")
+
+        return replay
 
 
 @dataclass
@@ -49,9 +70,12 @@ def capture_graphs(
     def forward_logits(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return model.compute_logits(model(input_ids, positions))
 
+    records = getattr(backend, "records", True)
     try:
         captured.seconds = decode.capture(forward_logits, backend)
     except Exception:
+        if not records:
+            raise
         logger.warning("decode graph capture failed; running eagerly", exc_info=True)
         return captured
     captured.decode = decode
@@ -70,10 +94,41 @@ def capture_graphs(
     try:
         captured.seconds += prefill.capture(model, model.compute_logits, backend)
     except Exception:
+        if not records:
+            raise
         logger.warning("prefill graph capture failed; short prefills run eagerly", exc_info=True)
         return captured
     captured.prefill = prefill
     return captured
+
+
+def compile_graph_kernels(
+    model: nn.Module,
+    config: EngineConfig,
+    vocab_size: int,
+    max_blocks_per_seq: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> CompileAheadReport | None:
+    """Compile, in parallel, every Triton kernel that ``capture_graphs`` will launch; None
+    where that is not possible (the captures then compile as they go)."""
+
+    def dry_run() -> None:
+        capture_graphs(
+            model, config, vocab_size, max_blocks_per_seq, dtype, device, CompileOnlyBackend()
+        )
+
+    key = fingerprint(
+        "graph capture",
+        model,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        config.max_model_len,
+        max_blocks_per_seq,
+        vocab_size,
+        str(dtype),
+    )
+    return compile_for(dry_run, "graph capture", key)
 
 
 def release_warm_up_memory(device: torch.device) -> None:

@@ -38,7 +38,11 @@ from worker_proc.batch import (
 )
 from worker_proc.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
 from worker_proc.forward_context import ForwardContext, set_forward_context
-from worker_proc.graph_capture import capture_graphs, release_warm_up_memory
+from worker_proc.graph_capture import (
+    capture_graphs,
+    compile_graph_kernels,
+    release_warm_up_memory,
+)
 from worker_proc.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
@@ -181,6 +185,16 @@ class ModelRunner:
         self.graph_capture_seconds = 0.0
         if graph_backend is None and self.device.type == "cuda" and not config.enforce_eager:
             graph_backend = CudaGraphBackend(self.device)
+        if isinstance(graph_backend, CudaGraphBackend):
+            compile_graph_kernels(
+                self.model,
+                config,
+                self.model_config.vocab_size,
+                self.max_blocks_per_seq,
+                self.dtype,
+                self.device,
+            )
+            timeline.mark("kernel compile")
         if graph_backend is not None:
             captured = capture_graphs(
                 self.model,

@@ -123,6 +123,8 @@ class PrefillGraphs:
 
             self._replays[tokens] = backend.capture(run)
         elapsed = time.monotonic() - started
+        if not getattr(backend, "records", True):  # a compile-only pass (graph_capture.py)
+            return elapsed
         logger.info(
             "captured %d prefill graphs in %.2f s, up to %d tokens in %d sequences "
             "(%d below %d tokens)",

@@ -1,0 +1,243 @@
+"""Compiling the Triton kernels a stretch of code will launch, in parallel, before it runs.
+
+At start-up the worker runs the model's forward at every captured graph size, and each
+Triton kernel variant compiles the first time it is launched: one after another, most of
+the start-up time when Triton's cache is empty. Inside ``compile_ahead()`` no Triton launch
+runs. Each computes its variant's key as usual and, where that variant is not compiled yet,
+hands the compile to a thread pool (Triton's asynchronous compile mode). On exit every
+compile has finished and sits in its kernel's cache, so the same code run again launches
+compiled kernels. A compile spends most of its time outside the GIL (MLIR and LLVM passes,
+ptxas), so the threads overlap. Each thread also builds its kernel's launcher, a C module
+Triton compiles per signature at a kernel's first launch (one C compiler run each with an
+empty cache), so that the first launch only loads it. A variant submitted once is filed at
+once, as its pending compile, so that the block's later launches of it cost only their key.
+
+The caught pass itself costs a second or two (a forward at every graph size), which is all
+it costs once Triton's disk cache holds the kernels. ``compile_for`` therefore notes each
+finished pass in that cache under a ``fingerprint`` of everything that picks the variants,
+and skips a pass already noted.
+
+The caught stretch sees uninitialised outputs from its Triton kernels, so it must not let
+what they write steer the host: a decode or prefill forward qualifies, since it never reads
+device values back. ``available()`` is false where this cannot work: no Triton, Triton's
+interpreter, or a Triton without the asynchronous mode (the kernels then compile at their
+first launch, one after another). ``PEGAINFER_COMPILE_AHEAD=0`` turns it off as well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kernels.backend import _triton_available, load_triton
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+# More threads than this gained nothing measurable: a decode step's kernels number a few dozen.
+MAX_THREADS = 8
+_active = threading.Lock()
+
+
+@dataclass
+class CompileAheadReport:
+    """What one ``compile_ahead`` block did."""
+
+    threads: int
+    launches: int = 0  # Triton launches caught
+    variants: int = 0  # kernel variants not yet compiled in this process, compiled now
+    seconds: float = 0.0  # from entering the block to the last compile's end
+
+
+def available() -> bool:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not _triton_available():
+        return False
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode  # noqa: F401
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return False
+    return callable(getattr(JITFunction, "run", None))
+
+
+def default_threads() -> int:
+    """``PEGAINFER_COMPILE_THREADS``, or the CPUs this process may use, at most ``MAX_THREADS``."""
+    setting = os.environ.get("PEGAINFER_COMPILE_THREADS")
+    if setting:
+        return max(1, int(setting))
+    return max(1, min(MAX_THREADS, len(os.sched_getaffinity(0))))
+
+
+@contextmanager
+def compile_ahead(threads: int | None = None) -> Iterator[CompileAheadReport]:
+    """Catch every Triton launch in the block and compile its kernel on ``threads`` threads
+    instead of running it; on exit every compile is done. Not reentrant, and the launches of
+    other threads are caught as well while the block runs."""
+    if not available():
+        raise RuntimeError("compiling ahead needs Triton with its asynchronous compile mode")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+    from triton.runtime.jit import JITFunction
+
+    load_triton()
+    report = CompileAheadReport(threads=threads or default_threads())
+    original_run = JITFunction.run
+    original_do_compile = JITFunction._do_compile
+
+    def caught(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        report.launches += 1
+        return original_run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    def filed(self: Any, key: Any, signature: Any, device: int, *args: Any, **kwargs: Any) -> Any:
+        pending = original_do_compile(self, key, signature, device, *args, **kwargs)
+        if pending is not None:  # replaced by the compiled kernel when the block ends
+            self.device_caches[device][0][key] = pending
+        return pending
+
+    if not _active.acquire(blocking=False):
+        raise RuntimeError("compile_ahead is already active")
+    started = time.monotonic()
+    try:
+        with ThreadPoolExecutor(report.threads, thread_name_prefix="triton-compile") as pool:
+            mode = AsyncCompileMode(_WithLauncher(pool))
+            JITFunction.run = caught
+            JITFunction._do_compile = filed
+            try:
+                with mode:  # its exit waits for every compile and files each kernel
+                    yield report
+            finally:
+                JITFunction.run = original_run
+                JITFunction._do_compile = original_do_compile
+            report.variants = len(mode.future_kernels)
+    finally:
+        _active.release()
+        report.seconds = time.monotonic() - started
+
+
+class _WithLauncher:
+    """An executor for Triton's asynchronous mode whose tasks, once a kernel has compiled,
+    build its launcher too (into Triton's cache; the first launch loads it from there)."""
+
+    def __init__(self, pool: Executor) -> None:
+        self.pool = pool
+
+    def submit(self, compile_kernel: Callable[[], Any]) -> Future:
+        return self.pool.submit(_compile_with_launcher, compile_kernel)
+
+
+def _compile_with_launcher(compile_kernel: Callable[[], Any]) -> Any:
+    kernel = compile_kernel()
+    try:
+        from triton.runtime.driver import driver
+
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # the first launch builds it, and reports a real failure
+        logger.debug("building a launcher ahead failed", exc_info=True)
+    return kernel
+
+
+def fingerprint(what: str, model: torch.nn.Module, *settings: object) -> str:
+    """A key for the kernel variants one stretch of start-up launches: pegainfer's kernel and
+    worker sources, the Triton and torch versions, the device, the environment's PEGAINFER_ and
+    TRITON_ settings, ``model``'s parameters and buffers (names, shapes, dtypes) and
+    ``settings`` (the engine's sizes that pick kernels)."""
+    import torch
+
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for folder in ("kernels", "worker_proc"):
+        for path in sorted((root / folder).rglob("*")):
+            if path.suffix in (".py", ".json") and path.is_file():
+                digest.update(path.relative_to(root).as_posix().encode())
+                digest.update(path.read_bytes())
+    tensors = [
+        (name, tuple(t.shape), str(t.dtype), str(t.device))
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+    ]
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    environment = sorted(
+        (k, v) for k, v in os.environ.items() if k.startswith(("PEGAINFER_", "TRITON_"))
+    )
+    digest.update(
+        repr(
+            (
+                what,
+                _triton_version(),
+                torch.__version__,
+                torch.version.cuda,
+                torch.cuda.get_device_name(device) if device is not None else None,
+                environment,
+                tensors,
+                settings,
+            )
+        ).encode()
+    )
+    return digest.hexdigest()[:32]
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def _marker(key: str) -> Path:
+    """Where a finished compile-ahead of ``key`` is noted: beside the kernels, in Triton's
+    cache, so that emptying that cache forgets it too."""
+    try:
+        from triton import knobs
+
+        cache_dir = knobs.cache.dir
+    except (ImportError, AttributeError):
+        cache_dir = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+    return Path(cache_dir) / "pegainfer-compiled-ahead" / key
+
+
+def compile_for(
+    run: Callable[[], Any], what: str, key: str | None = None
+) -> CompileAheadReport | None:
+    """Compile ahead what ``run`` launches, and log it; None where ``available()`` is false or
+    the caught run failed (its kernels then compile when they are first launched). With a
+    ``key`` (``fingerprint``) that an earlier start-up compiled ahead, ``run`` is not run: its
+    kernels are then in Triton's disk cache, and the caught pass would only cost time."""
+    if os.environ.get("PEGAINFER_COMPILE_AHEAD", "1") in ("0", "false", "off") or not available():
+        return None
+    marker = _marker(key) if key else None
+    if marker is not None and marker.exists():
+        logger.info("%s: kernels compiled ahead by an earlier start-up (%s)", what, marker.name)
+        return None
+    try:
+        with compile_ahead() as report:
+            run()
+    except Exception:
+        logger.warning("compiling the %s kernels ahead failed", what, exc_info=True)
+        return None
+    if marker is not None:
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except OSError:
+            logger.warning("could not note the compile-ahead at %s", marker, exc_info=True)
+    logger.info(
+        "%s: %d Triton kernel variants compiled ahead from %d launches in %.2f s on %d threads",
+        what,
+        report.variants,
+        report.launches,
+        report.seconds,
+        report.threads,
+    )
+    return report

@@ -1,0 +1,213 @@
+"""Compiling Triton kernels ahead (kernels/compile_ahead.py): a caught launch compiles and
+does not run, the launch made again afterwards finds its kernel compiled, and a worker's
+start-up compiles nothing one kernel at a time: the caught passes over the profile run and
+the graph captures hold every variant the real ones launch."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+
+import pytest
+import torch
+from triton_test_util import CUDA, gen, randn
+from worker_helpers import engine_config, make_tiny_checkpoint
+
+from kernels import compile_ahead
+from kernels.argmax import argmax_rows_ref, argmax_rows_triton
+
+needs_compile_ahead = pytest.mark.skipif(
+    not (CUDA and compile_ahead.available()),
+    reason="needs CUDA and a Triton with its asynchronous compile mode",
+)
+
+
+def test_nothing_is_compiled_ahead_where_it_cannot_be(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not compile_ahead.available()
+    ran = []
+    assert compile_ahead.compile_for(lambda: ran.append(1), "test") is None
+    assert ran == []  # the caller's real run compiles as it goes
+    with pytest.raises(RuntimeError, match="asynchronous compile mode"):
+        with compile_ahead.compile_ahead():
+            pass
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv("PEGAINFER_COMPILE_AHEAD", "0")
+    assert compile_ahead.compile_for(lambda: ran.append(1), "test") is None
+    assert ran == []
+
+
+def test_thread_count_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("PEGAINFER_COMPILE_THREADS", "3")
+    assert compile_ahead.default_threads() == 3
+    monkeypatch.delenv("PEGAINFER_COMPILE_THREADS")
+    assert 1 <= compile_ahead.default_threads() <= compile_ahead.MAX_THREADS
+
+
+def test_a_pass_noted_in_the_cache_is_not_run_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compile_ahead, "available", lambda: True)
+
+    @contextmanager
+    def caught(threads=None):
+        yield compile_ahead.CompileAheadReport(threads=1)
+
+    monkeypatch.setattr(compile_ahead, "compile_ahead", caught)
+    runs = []
+    assert compile_ahead.compile_for(lambda: runs.append("a"), "test", "key-a") is not None
+    assert compile_ahead.compile_for(lambda: runs.append("a"), "test", "key-a") is None
+    assert compile_ahead.compile_for(lambda: runs.append("b"), "test", "key-b") is not None
+    assert runs == ["a", "b"]
+
+    def failing():
+        runs.append("c")
+        raise ValueError("a kernel failed to compile")
+
+    assert compile_ahead.compile_for(failing, "test", "key-c") is None
+    assert compile_ahead.compile_for(failing, "test", "key-c") is None  # not noted: tried again
+    assert runs == ["a", "b", "c", "c"]
+
+
+def test_the_fingerprint_follows_the_model_and_the_settings():
+    model = torch.nn.Linear(8, 4)
+    key = compile_ahead.fingerprint("graphs", model, 12, 256)
+    assert key == compile_ahead.fingerprint("graphs", model, 12, 256)
+    assert key != compile_ahead.fingerprint("graphs", model, 16, 256)
+    assert key != compile_ahead.fingerprint("profile", model, 12, 256)
+    assert key != compile_ahead.fingerprint("graphs", torch.nn.Linear(8, 5), 12, 256)
+    assert key != compile_ahead.fingerprint("graphs", model.to(torch.float16), 12, 256)
+
+
+def _triton_kernels() -> list:
+    from triton.runtime.jit import JITFunction
+
+    found = []
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] != "kernels" or module is None:
+            continue
+        found += [v for v in vars(module).values() if isinstance(v, JITFunction)]
+    return found
+
+
+def _forget_compiled_kernels() -> None:
+    """Empty every kernel's in-process cache, so that each variant goes through a compile
+    again (served from Triton's disk cache, but still counted)."""
+    for kernel in _triton_kernels():
+        kernel.device_caches.clear()
+
+
+@needs_compile_ahead
+@pytest.mark.gpu
+def test_a_caught_launch_compiles_and_does_not_run():
+    import kernels.argmax
+
+    _forget_compiled_kernels()
+    logits = randn(3, 5000, g=gen(5), dtype=torch.float16)
+    out = torch.full((3,), -7, dtype=torch.int64, device=logits.device)
+    with compile_ahead.compile_ahead(threads=2) as report:
+        argmax_rows_triton(logits, out=out)
+    torch.cuda.synchronize()
+    assert (report.launches, report.variants) == (1, 1)
+    assert torch.equal(out, torch.full_like(out, -7)), "the caught launch ran"
+    kernel_cache = kernels.argmax._argmax_kernel.device_caches[torch.cuda.current_device()][0]
+    assert len(kernel_cache) == 1
+    argmax_rows_triton(logits, out=out)
+    assert len(kernel_cache) == 1, "the launch after the block compiled again"
+    assert torch.equal(out, argmax_rows_ref(logits))
+
+
+@needs_compile_ahead
+@pytest.mark.gpu
+def test_worker_start_up_compiles_nothing_one_at_a_time(tmp_path, monkeypatch, caplog):
+    """Every compile during a worker's start-up happens inside a caught pass: the profile run
+    and the graph captures launch only variants compiled ahead."""
+    pytest.importorskip("transformers")
+    from triton.runtime import _async_compile
+    from triton.runtime.jit import JITFunction
+
+    from worker_proc.model_runner import ModelRunner
+
+    checkpoint = make_tiny_checkpoint(str(tmp_path), "qwen3", seed=41)
+    config = engine_config(
+        checkpoint,
+        dtype="bfloat16",
+        block_size=16,
+        kv_cache_memory=0,  # so that the profile run sizes the cache
+        gpu_memory_utilization=0.2,
+        max_num_seqs=12,
+        max_num_batched_tokens=256,
+    )
+    config.device = "cuda"
+    _forget_compiled_kernels()
+    ahead, one_at_a_time = [], []
+    original = JITFunction._do_compile
+
+    def counting(self, *args, **kwargs):
+        caught = _async_compile.active_mode.get() is not None
+        (ahead if caught else one_at_a_time).append(self.fn.__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", counting)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # nothing noted yet
+    caplog.set_level("INFO")
+    runner = ModelRunner(config)
+    assert runner.graphs is not None and runner.prefill_graphs is not None
+    assert ahead, "nothing was compiled ahead"
+    assert one_at_a_time == [], f"compiled during the real runs: {sorted(set(one_at_a_time))}"
+    del runner
+    torch.cuda.empty_cache()
+
+    # A second start-up finds both passes noted and runs neither.
+    caplog.clear()
+    runner = ModelRunner(config)
+    assert runner.graphs is not None
+    assert caplog.text.count("compiled ahead by an earlier start-up") == 2
+    del runner
+    torch.cuda.empty_cache()
+
+
+def test_the_compile_only_pass_runs_each_capture_once_and_keeps_no_graph(tmp_path, caplog):
+    pytest.importorskip("transformers")
+    from worker_proc.cuda_graphs import capture_sizes
+    from worker_proc.graph_capture import CompileOnlyBackend, capture_graphs
+    from worker_proc.model_runner import ModelRunner
+    from worker_proc.prefill_graphs import prefill_token_sizes
+
+    checkpoint = make_tiny_checkpoint(str(tmp_path), "qwen3", seed=42)
+    config = engine_config(checkpoint, max_num_seqs=4, max_num_batched_tokens=128)
+    runner = ModelRunner(config)
+
+    class Counting(CompileOnlyBackend):
+        runs = 0
+
+        def capture(self, fn):
+            Counting.runs += 1
+            return super().capture(fn)
+
+    def capture(backend):
+        return capture_graphs(
+            runner.model,
+            config,
+            runner.model_config.vocab_size,
+            runner.max_blocks_per_seq,
+            runner.dtype,
+            runner.device,
+            backend,
+        )
+
+    caplog.set_level("INFO")
+    captured = capture(Counting())
+    expected = len(capture_sizes(4)) + len(prefill_token_sizes(128))
+    assert Counting.runs == expected > 0
+    assert "captured" not in caplog.text
+    with pytest.raises(RuntimeError, match="nothing to replay"):
+        captured.decode.replay(1)
+
+    class Failing(CompileOnlyBackend):
+        def capture(self, fn):
+            raise ValueError("a kernel failed to compile")
+
+    # A failure inside the caught pass propagates (compile_for logs it once), rather than
+    # being reported as a failed capture.
+    with pytest.raises(ValueError, match="failed to compile"):
+        capture(Failing())
