@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 # More threads than this gained nothing measurable: a decode step's kernels number a few dozen.
 MAX_THREADS = 8
 _active = threading.Lock()
+# Variables of the environment that pick no kernel; the launcher's pid differs every run.
+_NOT_KERNEL_SETTINGS = frozenset(
+    {"PEGAINFER_PARENT_PID", "PEGAINFER_CACHE", "PEGAINFER_COMPILE_THREADS"}
+)
 
 
 @dataclass
@@ -151,7 +155,7 @@ def _compile_with_launcher(compile_kernel: Callable[[], Any]) -> Any:
 def fingerprint(what: str, model: torch.nn.Module, *settings: object) -> str:
     """A key for the kernel variants one stretch of start-up launches: pegainfer's kernel and
     worker sources, the Triton and torch versions, the device, the environment's PEGAINFER_ and
-    TRITON_ settings, ``model``'s parameters and buffers (names, shapes, dtypes) and
+    TRITON_ settings (but the launcher's pid and other plumbing), ``model``'s parameters and buffers (names, shapes, dtypes) and
     ``settings`` (the engine's sizes that pick kernels)."""
     import torch
 
@@ -168,7 +172,9 @@ def fingerprint(what: str, model: torch.nn.Module, *settings: object) -> str:
     ]
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     environment = sorted(
-        (k, v) for k, v in os.environ.items() if k.startswith(("PEGAINFER_", "TRITON_"))
+        (k, v)
+        for k, v in os.environ.items()
+        if k.startswith(("PEGAINFER_", "TRITON_")) and k not in _NOT_KERNEL_SETTINGS
     )
     digest.update(
         repr(

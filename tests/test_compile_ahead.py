@@ -5,6 +5,7 @@ the graph captures hold every variant the real ones launch."""
 
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import contextmanager
 
@@ -68,7 +69,7 @@ def test_a_pass_noted_in_the_cache_is_not_run_again(tmp_path, monkeypatch):
     assert runs == ["a", "b", "c", "c"]
 
 
-def test_the_fingerprint_follows_the_model_and_the_settings():
+def test_the_fingerprint_follows_the_model_and_the_settings(monkeypatch):
     model = torch.nn.Linear(8, 4)
     key = compile_ahead.fingerprint("graphs", model, 12, 256)
     assert key == compile_ahead.fingerprint("graphs", model, 12, 256)
@@ -76,6 +77,13 @@ def test_the_fingerprint_follows_the_model_and_the_settings():
     assert key != compile_ahead.fingerprint("profile", model, 12, 256)
     assert key != compile_ahead.fingerprint("graphs", torch.nn.Linear(8, 5), 12, 256)
     assert key != compile_ahead.fingerprint("graphs", model.to(torch.float16), 12, 256)
+    model = torch.nn.Linear(8, 4)
+    key = compile_ahead.fingerprint("graphs", model)
+    # Each launch gives its children another parent pid; a kernel setting changes the key.
+    monkeypatch.setenv("PEGAINFER_PARENT_PID", str(os.getpid() + 1))
+    assert compile_ahead.fingerprint("graphs", model) == key
+    monkeypatch.setenv("PEGAINFER_PDL", "0")
+    assert compile_ahead.fingerprint("graphs", model) != key
 
 
 def _triton_kernels() -> list:
