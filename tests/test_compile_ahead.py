@@ -219,3 +219,12 @@ def test_the_compile_only_pass_runs_each_capture_once_and_keeps_no_graph(tmp_pat
     # being reported as a failed capture.
     with pytest.raises(ValueError, match="failed to compile"):
         capture(Failing())
+
+
+def test_with_several_ranks_every_start_up_runs_its_pass(monkeypatch):
+    import worker_proc.graph_capture as graph_capture
+
+    model = torch.nn.Linear(8, 4)
+    assert graph_capture.compile_ahead_key("graphs", model, 12) is not None
+    monkeypatch.setattr(graph_capture, "get_tp_size", lambda: 2)
+    assert graph_capture.compile_ahead_key("graphs", model, 12) is None

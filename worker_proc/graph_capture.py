@@ -21,6 +21,7 @@ from torch import nn
 from kernels.compile_ahead import CompileAheadReport, compile_for, fingerprint
 from pegainfer.config import EngineConfig
 from worker_proc.cuda_graphs import DecodeGraphs, GraphBackend, Replay, capture_sizes
+from worker_proc.parallel_state import get_tp_size
 from worker_proc.prefill_graphs import MAX_SEQS, PrefillGraphs, prefill_token_sizes
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,15 @@ def capture_graphs(
     return captured
 
 
+def compile_ahead_key(what: str, model: nn.Module, *settings: object) -> str | None:
+    """The key under which a finished compile-ahead pass is noted (kernels/compile_ahead.py).
+    None with several ranks, where every rank runs its pass: one that skipped it would meet
+    the other ranks' collectives out of step."""
+    if get_tp_size() > 1:
+        return None
+    return fingerprint(what, model, *settings)
+
+
 def compile_graph_kernels(
     model: nn.Module,
     config: EngineConfig,
@@ -118,7 +128,7 @@ def compile_graph_kernels(
             model, config, vocab_size, max_blocks_per_seq, dtype, device, CompileOnlyBackend()
         )
 
-    key = fingerprint(
+    key = compile_ahead_key(
         "graph capture",
         model,
         config.max_num_seqs,

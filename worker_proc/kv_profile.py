@@ -10,9 +10,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kernels.compile_ahead import compile_for, fingerprint
+from kernels.compile_ahead import compile_for
 from pegainfer.config import EngineConfig
 from worker_proc.batch import StepBatch, build_batch
+from worker_proc.graph_capture import compile_ahead_key
 from worker_proc.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
@@ -75,7 +76,7 @@ def profile_kv_bytes(
         model.compute_logits(hidden[:rows]).float().softmax(dim=-1)
         return hidden
 
-    key = fingerprint("profile run", model, kv_spec, lengths, config.max_num_seqs)
+    key = compile_ahead_key("profile run", model, kv_spec, lengths, config.max_num_seqs)
     if compile_for(run, "profile run", key) is not None:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)  # the caught run's transients add nothing
