@@ -12,10 +12,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 from triton_test_util import CUDA, gen, randn
-from worker_helpers import engine_config, make_tiny_checkpoint
+from worker_helpers import drive, engine_config, make_tiny_checkpoint
 
 from kernels import compile_ahead
 from kernels.argmax import argmax_rows_ref, argmax_rows_triton
+from pegainfer.protocol import SamplingParams
 
 needs_compile_ahead = pytest.mark.skipif(
     not (CUDA and compile_ahead.available()),
@@ -162,6 +163,14 @@ def test_worker_start_up_compiles_nothing_one_at_a_time(tmp_path, monkeypatch, c
     assert runner.graphs is not None and runner.prefill_graphs is not None
     assert ahead, "nothing was compiled ahead"
     assert one_at_a_time == [], f"compiled during the real runs: {sorted(set(one_at_a_time))}"
+    # Serving greedy and sampled requests launches nothing new either.
+    requests = [
+        (f"r{i}", [5 + i, 7, 11 + 3 * i], SamplingParams(temperature=0.8 * (i % 2), seed=i))
+        for i in range(6)
+    ]
+    outputs, _, _ = drive(runner, requests, 2, num_kv_blocks=runner.num_kv_blocks)
+    assert all(outputs[request_id] for request_id, _, _ in requests)
+    assert one_at_a_time == [], f"compiled while serving: {sorted(set(one_at_a_time))}"
     del runner
     torch.cuda.empty_cache()
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import kernels
 from kernels.compile_ahead import CompileAheadReport, compile_for, fingerprint
 from pegainfer.config import EngineConfig
 from worker_proc.cuda_graphs import DecodeGraphs, GraphBackend, Replay, capture_sizes
@@ -120,13 +121,15 @@ def compile_graph_kernels(
     dtype: torch.dtype,
     device: torch.device,
 ) -> CompileAheadReport | None:
-    """Compile, in parallel, every Triton kernel that ``capture_graphs`` will launch; None
-    where that is not possible (the captures then compile as they go)."""
+    """Compile, in parallel, every Triton kernel that ``capture_graphs`` will launch, and the
+    sampler's; None where that is not possible (the captures then compile as they go)."""
 
     def dry_run() -> None:
         capture_graphs(
             model, config, vocab_size, max_blocks_per_seq, dtype, device, CompileOnlyBackend()
         )
+        # The sampler's argmax over float32 rows, which no graph takes.
+        kernels.argmax_rows(torch.empty((1, vocab_size), dtype=torch.float32, device=device))
 
     key = compile_ahead_key(
         "graph capture",
