@@ -68,6 +68,10 @@ def gemv_config(n: int, k: int) -> LinearConfig:
     # qkv (6,144 x 2,560) at (2, 512) a decode step took 2.56 ms on an H200 at context 128
     # against 2.57 at (4, 512), and 2.83 against 2.84 at 4k (three alternated rounds, all
     # alike). Wide weights keep (4, 512): gate/up, whose fused kernel halves it, the LM head.
+    # o and down (K >= 4096) take (2, 1024) with 4 warps, 1,280 programs: batch-1 steps took
+    # 2.41 / 2.68 ms at context 128 / 4k against 2.45 / 2.73 with down at (1, 1024, 2 warps),
+    # 2,560 programs; 2.56 / 2.84 with o so too; 3.01 / 3.29 with down at (4, 1024, 4 warps);
+    # 2.42 / 2.71 with o so (H200, bench_latency, two alternated rounds).
     block_n = 2 if block_k == 1024 or n <= 8192 else 4
     return LinearConfig("gemv", block_n, block_k, 4 if block_k >= 1024 else 2)
 
