@@ -185,26 +185,19 @@ class ModelRunner:
         self.graph_capture_seconds = 0.0
         if graph_backend is None and self.device.type == "cuda" and not config.enforce_eager:
             graph_backend = CudaGraphBackend(self.device)
+        capture_args = (
+            self.model,
+            config,
+            self.model_config.vocab_size,
+            self.max_blocks_per_seq,
+            self.dtype,
+            self.device,
+        )
         if isinstance(graph_backend, CudaGraphBackend):
-            compile_graph_kernels(
-                self.model,
-                config,
-                self.model_config.vocab_size,
-                self.max_blocks_per_seq,
-                self.dtype,
-                self.device,
-            )
+            compile_graph_kernels(*capture_args)
             timeline.mark("kernel compile")
         if graph_backend is not None:
-            captured = capture_graphs(
-                self.model,
-                config,
-                self.model_config.vocab_size,
-                self.max_blocks_per_seq,
-                self.dtype,
-                self.device,
-                graph_backend,
-            )
+            captured = capture_graphs(*capture_args, graph_backend)
             self.graphs, self.prefill_graphs = captured.decode, captured.prefill
             self.graph_capture_seconds = captured.seconds
             release_warm_up_memory(self.device)
