@@ -12,6 +12,14 @@ Triton compiles per signature at a kernel's first launch (one C compiler run eac
 empty cache), so that the first launch only loads it. A variant submitted once is filed at
 once, as its pending compile, so that the block's later launches of it cost only their key.
 
+Where the OS can fork, each thread forks a child that compiles the kernel and builds its
+launcher into Triton's disk cache, then loads both from there: Triton generates a kernel's
+first IR in Python and holds the GIL through parts of its passes, so threads alone overlap
+poorly (on an H200 host 16 threads took longer than 8). The child only compiles and writes
+files, and leaves with ``os._exit``; it makes no CUDA call, so the parent's CUDA context
+does not matter to it. A child that fails leaves the compile to its thread, which then
+raises the real error. ``PEGAINFER_COMPILE_FORK=0`` compiles in the threads themselves.
+
 The caught pass itself costs a second or two (a forward at every graph size), which is all
 it costs once Triton's disk cache holds the kernels. ``compile_for`` therefore notes each
 finished pass in that cache under a ``fingerprint`` of everything that picks the variants,
@@ -29,8 +37,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
@@ -45,12 +55,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# More threads than this gained nothing measurable: a decode step's kernels number a few dozen.
+# Compiling in threads, more than 8 took longer (the GIL); forked children each hold their own.
 MAX_THREADS = 8
+MAX_FORKED = 16
+# A child compiling one kernel for longer than this is taken to be stuck.
+CHILD_TIMEOUT_S = 300
 _active = threading.Lock()
+_fork_lock = threading.Lock()
 # Variables of the environment that pick no kernel; the launcher's pid differs every run.
 _NOT_KERNEL_SETTINGS = frozenset(
-    {"PEGAINFER_PARENT_PID", "PEGAINFER_CACHE", "PEGAINFER_COMPILE_THREADS"}
+    {
+        "PEGAINFER_PARENT_PID",
+        "PEGAINFER_CACHE",
+        "PEGAINFER_COMPILE_THREADS",
+        "PEGAINFER_COMPILE_FORK",
+    }
 )
 
 
@@ -59,9 +78,11 @@ class CompileAheadReport:
     """What one ``compile_ahead`` block did."""
 
     threads: int
+    forked: bool = False  # each compile ran in a child process of its thread
     launches: int = 0  # Triton launches caught
     variants: int = 0  # kernel variants not yet compiled in this process, compiled now
     seconds: float = 0.0  # from entering the block to the last compile's end
+    longest: float = 0.0  # seconds of the longest compile, with its launcher
 
 
 def available() -> bool:
@@ -75,12 +96,20 @@ def available() -> bool:
     return callable(getattr(JITFunction, "run", None))
 
 
+def forking() -> bool:
+    """Whether compiles run in forked children (see the module docstring)."""
+    setting = os.environ.get("PEGAINFER_COMPILE_FORK", "1")
+    return hasattr(os, "fork") and setting not in ("0", "false", "off")
+
+
 def default_threads() -> int:
-    """``PEGAINFER_COMPILE_THREADS``, or the CPUs this process may use, at most ``MAX_THREADS``."""
+    """``PEGAINFER_COMPILE_THREADS``, or the CPUs this process may use, at most
+    ``MAX_FORKED`` when compiles are forked and ``MAX_THREADS`` otherwise."""
     setting = os.environ.get("PEGAINFER_COMPILE_THREADS")
     if setting:
         return max(1, int(setting))
-    return max(1, min(MAX_THREADS, len(os.sched_getaffinity(0))))
+    limit = MAX_FORKED if forking() else MAX_THREADS
+    return max(1, min(limit, len(os.sched_getaffinity(0))))
 
 
 @contextmanager
@@ -92,11 +121,11 @@ def compile_ahead(threads: int | None = None) -> Iterator[CompileAheadReport]:
         raise RuntimeError("compiling ahead needs Triton with its asynchronous compile mode")
     from concurrent.futures import ThreadPoolExecutor
 
-    from triton.runtime._async_compile import AsyncCompileMode
+    from triton.runtime._async_compile import AsyncCompileMode, active_mode
     from triton.runtime.jit import JITFunction
 
     load_triton()
-    report = CompileAheadReport(threads=threads or default_threads())
+    report = CompileAheadReport(threads=threads or default_threads(), forked=forking())
     original_run = JITFunction.run
     original_do_compile = JITFunction._do_compile
 
@@ -104,10 +133,14 @@ def compile_ahead(threads: int | None = None) -> Iterator[CompileAheadReport]:
         report.launches += 1
         return original_run(self, *args, grid=grid, warmup=True, **kwargs)
 
+    filed_kernels: list[tuple[dict, Any, Any]] = []
+
     def filed(self: Any, key: Any, signature: Any, device: int, *args: Any, **kwargs: Any) -> Any:
         pending = original_do_compile(self, key, signature, device, *args, **kwargs)
         if pending is not None:  # replaced by the compiled kernel when the block ends
-            self.device_caches[device][0][key] = pending
+            kernel_cache = self.device_caches[device][0]
+            kernel_cache[key] = pending
+            filed_kernels.append((kernel_cache, key, pending))
         return pending
 
     if not _active.acquire(blocking=False):
@@ -115,7 +148,7 @@ def compile_ahead(threads: int | None = None) -> Iterator[CompileAheadReport]:
     started = time.monotonic()
     try:
         with ThreadPoolExecutor(report.threads, thread_name_prefix="triton-compile") as pool:
-            mode = AsyncCompileMode(_WithLauncher(pool))
+            mode = AsyncCompileMode(_WithLauncher(pool, report))
             JITFunction.run = caught
             JITFunction._do_compile = filed
             try:
@@ -124,32 +157,115 @@ def compile_ahead(threads: int | None = None) -> Iterator[CompileAheadReport]:
             finally:
                 JITFunction.run = original_run
                 JITFunction._do_compile = original_do_compile
+                _forget_unfinished(filed_kernels)
+                # Triton's mode stays active when its exit raises: every later compile in
+                # this thread would then go to the closed pool.
+                if active_mode.get() is mode:
+                    active_mode.set(None)
             report.variants = len(mode.future_kernels)
     finally:
         _active.release()
         report.seconds = time.monotonic() - started
 
 
+def _forget_unfinished(filed_kernels: list[tuple[dict, Any, Any]]) -> None:
+    """Take every compile the block filed and did not finish (it failed, or the block ended
+    on another's failure) out of its kernel's cache, so that a later launch compiles afresh
+    rather than meeting the pending compile's error."""
+    for kernel_cache, key, pending in filed_kernels:
+        if kernel_cache.get(key) is pending and getattr(pending, "kernel", None) is None:
+            del kernel_cache[key]
+
+
 class _WithLauncher:
     """An executor for Triton's asynchronous mode whose tasks, once a kernel has compiled,
     build its launcher too (into Triton's cache; the first launch loads it from there)."""
 
-    def __init__(self, pool: Executor) -> None:
+    def __init__(self, pool: Executor, report: CompileAheadReport) -> None:
         self.pool = pool
+        self.report = report
 
     def submit(self, compile_kernel: Callable[[], Any]) -> Future:
-        return self.pool.submit(_compile_with_launcher, compile_kernel)
+        return self.pool.submit(self._timed, compile_kernel)
+
+    def _timed(self, compile_kernel: Callable[[], Any]) -> Any:
+        started = time.monotonic()
+        kernel = _compile_with_launcher(compile_kernel, self.report.forked)
+        self.report.longest = max(self.report.longest, time.monotonic() - started)
+        return kernel
 
 
-def _compile_with_launcher(compile_kernel: Callable[[], Any]) -> Any:
-    kernel = compile_kernel()
+def _compile_with_launcher(compile_kernel: Callable[[], Any], forked: bool = False) -> Any:
+    if forked:
+        compiled_in_child(lambda: _build_launcher(compile_kernel()))
+    kernel = compile_kernel()  # from the disk cache where the child compiled it
+    _build_launcher(kernel)
+    return kernel
+
+
+def _build_launcher(kernel: Any) -> None:
     try:
         from triton.runtime.driver import driver
 
         driver.active.launcher_cls(kernel.src, kernel.metadata)
     except Exception:  # the first launch builds it, and reports a real failure
         logger.debug("building a launcher ahead failed", exc_info=True)
-    return kernel
+
+
+def _leave_with_parent() -> None:
+    """In a forked child: die with the parent, and leave its SIGTERM handler (the worker's
+    would tidy up the whole tree's run directory) for the default."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+# Python warns about forking a process with threads. The child here runs only Triton's
+# compiler and its subprocesses and writes files: it needs no lock another thread may hold.
+warnings.filterwarnings(
+    "ignore", message=r".*multi-threaded, use of fork\(\)", category=DeprecationWarning
+)
+
+
+def compiled_in_child(work: Callable[[], Any]) -> bool:
+    """Run ``work`` in a forked child and wait for it; True when it returned. The child
+    leaves with ``os._exit``: no exit handler, buffered output or CUDA teardown of the
+    parent's runs there. False, and nothing run, where the fork fails."""
+    try:
+        # One fork at a time: fork hooks that other libraries register (filelock's) refuse a
+        # fork that starts while another thread's is under way.
+        with _fork_lock:
+            pid = os.fork()
+    except (OSError, RuntimeError):
+        logger.debug("fork failed; compiling in the thread", exc_info=True)
+        return False
+    if pid == 0:  # the child
+        status = 1
+        try:
+            _leave_with_parent()
+            work()
+            status = 0
+        finally:
+            os._exit(status)
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    pause = 0.001
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status) == 0
+        if time.monotonic() > deadline:  # stuck: its thread compiles instead
+            logger.warning(
+                "a kernel compile in child %d took over %d s; killed", pid, CHILD_TIMEOUT_S
+            )
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
 
 
 def fingerprint(what: str, model: torch.nn.Module, *settings: object) -> str:
@@ -239,11 +355,14 @@ def compile_for(
         except OSError:
             logger.warning("could not note the compile-ahead at %s", marker, exc_info=True)
     logger.info(
-        "%s: %d Triton kernel variants compiled ahead from %d launches in %.2f s on %d threads",
+        "%s: %d Triton kernel variants compiled ahead from %d launches in %.2f s on %d %s "
+        "(the longest %.2f s)",
         what,
         report.variants,
         report.launches,
         report.seconds,
         report.threads,
+        "forked children" if report.forked else "threads",
+        report.longest,
     )
     return report

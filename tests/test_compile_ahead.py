@@ -5,6 +5,7 @@ the graph captures hold every variant the real ones launch."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from contextlib import contextmanager
@@ -43,7 +44,113 @@ def test_thread_count_follows_the_environment(monkeypatch):
     monkeypatch.setenv("PEGAINFER_COMPILE_THREADS", "3")
     assert compile_ahead.default_threads() == 3
     monkeypatch.delenv("PEGAINFER_COMPILE_THREADS")
-    assert 1 <= compile_ahead.default_threads() <= compile_ahead.MAX_THREADS
+    assert 1 <= compile_ahead.default_threads() <= compile_ahead.MAX_FORKED
+
+
+def test_forked_compiles_follow_the_environment(monkeypatch):
+    monkeypatch.setenv("PEGAINFER_COMPILE_FORK", "0")
+    assert not compile_ahead.forking()
+    assert compile_ahead.default_threads() <= compile_ahead.MAX_THREADS
+    monkeypatch.delenv("PEGAINFER_COMPILE_FORK")
+    assert compile_ahead.forking() == hasattr(os, "fork")
+    assert compile_ahead.default_threads() <= compile_ahead.MAX_FORKED
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_does_the_work_and_reports_how_it_ended(tmp_path):
+    written = tmp_path / "out"
+    state = []
+
+    def work():
+        state.append("child")  # a change to the child's memory only
+        written.write_text(str(os.getpid()))
+
+    assert compile_ahead.compiled_in_child(work)
+    assert int(written.read_text()) != os.getpid()
+    assert state == []
+
+    def failing():
+        raise ValueError("the compile failed")
+
+    assert not compile_ahead.compiled_in_child(failing)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_compile_is_loaded_by_its_thread_and_a_failed_one_redone(tmp_path, monkeypatch):
+    """The child fills the cache; the thread's own compile then only reads it. Where the child
+    fails, the thread compiles, and raises the real error."""
+    cache = tmp_path / "cache"
+    compiles = []
+
+    def compile_kernel():
+        compiles.append(os.getpid())
+        if not cache.exists():
+            cache.write_text(str(os.getpid()))
+        return "kernel"
+
+    monkeypatch.setattr(compile_ahead, "_build_launcher", lambda kernel: None)
+    assert compile_ahead._compile_with_launcher(compile_kernel, forked=True) == "kernel"
+    assert int(cache.read_text()) != os.getpid()  # the child compiled
+    assert compiles == [os.getpid()]  # the thread only loaded
+
+    def broken():
+        raise RuntimeError("bad kernel")
+
+    with pytest.raises(RuntimeError, match="bad kernel"):
+        compile_ahead._compile_with_launcher(broken, forked=True)
+
+
+def test_a_refused_fork_leaves_the_compile_to_the_thread(monkeypatch):
+    def refuse():
+        raise RuntimeError("os.fork is unsafe while another library changes its state")
+
+    monkeypatch.setattr(os, "fork", refuse)
+    ran = []
+    assert not compile_ahead.compiled_in_child(lambda: ran.append(1))
+    assert ran == []
+    monkeypatch.setattr(compile_ahead, "_build_launcher", lambda kernel: None)
+    assert compile_ahead._compile_with_launcher(lambda: "kernel", forked=True) == "kernel"
+
+
+def test_unfinished_compiles_are_taken_out_of_the_kernel_caches():
+    """A pass that fails leaves no pending compile where the next launch would meet its
+    error; a finished compile, and an entry replaced since, stay."""
+
+    class Pending:
+        def __init__(self, kernel=None):
+            self.kernel = kernel
+
+    failed, finished, replaced = Pending(), Pending("compiled"), Pending()
+    cache = {"failed": failed, "finished": finished, "replaced": "a kernel compiled since"}
+    compile_ahead._forget_unfinished(
+        [(cache, "failed", failed), (cache, "finished", finished), (cache, "replaced", replaced)]
+    )
+    assert cache == {"finished": finished, "replaced": "a kernel compiled since"}
+
+
+@pytest.mark.skipif(not compile_ahead.available(), reason="needs Triton's asynchronous mode")
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_failed_compile_fails_the_block_and_leaves_no_mode_behind(monkeypatch, fork):
+    """Triton's asynchronous mode, whose exit raises a failed compile's error, must not stay
+    active after the block: every later compile would go to the closed pool."""
+    from triton.runtime._async_compile import active_mode
+
+    monkeypatch.setenv("PEGAINFER_COMPILE_FORK", fork)
+
+    def failing():
+        raise ValueError("the compile failed")
+
+    with pytest.raises(ValueError, match="the compile failed"):
+        with compile_ahead.compile_ahead(threads=2):
+            mode = active_mode.get()
+            hooks = [lambda kernel: None]
+            if "cleanup_fn" in inspect.signature(mode.submit).parameters:  # newer Triton
+                hooks.append(lambda future_kernel: None)
+            mode.submit("a kernel", failing, *hooks)
+    assert active_mode.get() is None
+    with compile_ahead.compile_ahead(threads=2) as report:  # the next block starts cleanly
+        pass
+    assert report.variants == 0
 
 
 def test_a_pass_noted_in_the_cache_is_not_run_again(tmp_path, monkeypatch):
@@ -123,6 +230,25 @@ def test_a_caught_launch_compiles_and_does_not_run():
     argmax_rows_triton(logits, out=out)
     assert len(kernel_cache) == 1, "the launch after the block compiled again"
     assert torch.equal(out, argmax_rows_ref(logits))
+
+
+@needs_compile_ahead
+@pytest.mark.gpu
+def test_a_failed_pass_leaves_the_launch_after_it_working(monkeypatch):
+    """A compile that fails inside the block fails the block; the same launch made after it
+    compiles afresh and runs."""
+    _forget_compiled_kernels()
+    logits = randn(2, 3000, g=gen(6), dtype=torch.float16)
+
+    def failing(compile_kernel, forked=False):
+        raise RuntimeError("the compile failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(compile_ahead, "_compile_with_launcher", failing)
+        with pytest.raises(RuntimeError, match="the compile failed"):
+            with compile_ahead.compile_ahead(threads=2):
+                argmax_rows_triton(logits)
+    assert torch.equal(argmax_rows_triton(logits), argmax_rows_ref(logits))
 
 
 @needs_compile_ahead
