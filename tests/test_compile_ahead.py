@@ -288,6 +288,7 @@ def test_worker_start_up_compiles_nothing_one_at_a_time(tmp_path, monkeypatch, c
     runner = ModelRunner(config)
     assert runner.graphs is not None and runner.prefill_graphs is not None
     assert ahead, "nothing was compiled ahead"
+    assert "profile run and graph capture: " in caplog.text  # one pass over both
     assert one_at_a_time == [], f"compiled during the real runs: {sorted(set(one_at_a_time))}"
     # Serving greedy and sampled requests launches nothing new either.
     requests = [
@@ -300,13 +301,31 @@ def test_worker_start_up_compiles_nothing_one_at_a_time(tmp_path, monkeypatch, c
     del runner
     torch.cuda.empty_cache()
 
-    # A second start-up finds both passes noted and runs neither.
+    # A second start-up finds the pass noted and does not run it.
     caplog.clear()
     runner = ModelRunner(config)
     assert runner.graphs is not None
-    assert caplog.text.count("compiled ahead by an earlier start-up") == 2
+    assert caplog.text.count("compiled ahead by an earlier start-up") == 1
     del runner
     torch.cuda.empty_cache()
+
+
+def test_the_start_up_compiles_once_with_the_profile_or_else_alone(monkeypatch):
+    from pegainfer.startup_timeline import StartupTimeline
+    from worker_proc import graph_capture
+
+    calls = []
+    monkeypatch.setattr(
+        graph_capture, "compile_graph_kernels", lambda *args: calls.append(args[-2:]) or None
+    )
+    timeline = StartupTimeline(first_phase=None)
+    with_profile = graph_capture.KernelCompile(("model", "config"), timeline)
+    assert not with_profile.with_profile("profile run", ("settings",))
+    with_profile.graphs_alone()  # already done with the profile run
+    alone = graph_capture.KernelCompile(("model", "config"), timeline)
+    alone.graphs_alone()
+    assert calls == [("profile run", ("settings",)), ("model", "config")]
+    assert [phase for phase, _ in timeline.phases] == ["kernel compile", "kernel compile"]
 
 
 def test_the_compile_only_pass_runs_each_capture_once_and_keeps_no_graph(tmp_path, caplog):

@@ -21,6 +21,7 @@ from torch import nn
 import kernels
 from kernels.compile_ahead import CompileAheadReport, compile_for, fingerprint
 from pegainfer.config import EngineConfig
+from pegainfer.startup_timeline import StartupTimeline
 from worker_proc.cuda_graphs import DecodeGraphs, GraphBackend, Replay, capture_sizes
 from worker_proc.parallel_state import get_tp_size
 from worker_proc.prefill_graphs import MAX_SEQS, PrefillGraphs, prefill_token_sizes
@@ -120,20 +121,31 @@ def compile_graph_kernels(
     max_blocks_per_seq: int,
     dtype: torch.dtype,
     device: torch.device,
+    profile_run: Callable[[], torch.Tensor] | None = None,
+    profile_settings: tuple = (),
 ) -> CompileAheadReport | None:
     """Compile, in parallel, every Triton kernel that ``capture_graphs`` will launch, and the
-    sampler's; None where that is not possible (the captures then compile as they go)."""
+    sampler's; None where that is not possible (the captures then compile as they go).
+
+    With ``profile_run`` (the KV profile's forward, over a temporary cache) its kernels
+    compile in the same pass, so that the two sets overlap rather than wait for each other.
+    The captures then run over that temporary cache: no kernel specializes on the cache's
+    block count (only on its strides, which do not depend on it)."""
 
     def dry_run() -> None:
+        if profile_run is not None:
+            profile_run()
         capture_graphs(
             model, config, vocab_size, max_blocks_per_seq, dtype, device, CompileOnlyBackend()
         )
         # The sampler's argmax over float32 rows, which no graph takes.
         kernels.argmax_rows(torch.empty((1, vocab_size), dtype=torch.float32, device=device))
 
+    what = "graph capture" if profile_run is None else "profile run and graph capture"
     key = compile_ahead_key(
-        "graph capture",
+        what,
         model,
+        *profile_settings,
         config.max_num_seqs,
         config.max_num_batched_tokens,
         config.max_model_len,
@@ -141,7 +153,31 @@ def compile_graph_kernels(
         vocab_size,
         str(dtype),
     )
-    return compile_for(dry_run, "graph capture", key)
+    return compile_for(dry_run, what, key)
+
+
+class KernelCompile:
+    """The start-up's compile-ahead pass for a worker that captures CUDA graphs: together with
+    the KV profile run where the cache is profiled (``with_profile``, handed to
+    ``decide_num_blocks``), over the captures alone otherwise (``graphs_alone``)."""
+
+    def __init__(self, capture_args: tuple, timeline: StartupTimeline) -> None:
+        self.capture_args = capture_args
+        self.timeline = timeline
+        self.done = False
+
+    def with_profile(self, profile_run: Callable[[], torch.Tensor], settings: tuple) -> bool:
+        """True when the profile run ran caught (its transients then count for nothing)."""
+        report = compile_graph_kernels(*self.capture_args, profile_run, settings)
+        self.done = True
+        self.timeline.mark("kernel compile")
+        return report is not None
+
+    def graphs_alone(self) -> None:
+        if not self.done:
+            compile_graph_kernels(*self.capture_args)
+            self.done = True
+            self.timeline.mark("kernel compile")
 
 
 def release_warm_up_memory(device: torch.device) -> None:

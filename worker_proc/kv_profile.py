@@ -25,6 +25,9 @@ from worker_proc.layers.attention import bind_kv_caches
 logger = logging.getLogger(__name__)
 
 Forward = Callable[[StepBatch], torch.Tensor]
+# Compiles ahead what a profile run launches (given the run and the settings that pick its
+# kernels); True when it ran the run with its launches caught.
+CompilePass = Callable[[Callable[[], torch.Tensor], tuple], bool]
 
 
 def decide_num_blocks(
@@ -33,11 +36,14 @@ def decide_num_blocks(
     model: nn.Module,
     device: torch.device,
     forward: Forward,
+    compile_pass: CompilePass | None = None,
 ) -> int:
+    """``compile_pass``: how the profile run's kernels are compiled ahead (default: on their
+    own, ``compile_for``); the runner passes one that compiles the graph captures' too."""
     if config.kv_cache_memory > 0:
         kv_bytes = config.kv_cache_memory
     elif device.type == "cuda":
-        kv_bytes = profile_kv_bytes(config, kv_spec, model, device, forward)
+        kv_bytes = profile_kv_bytes(config, kv_spec, model, device, forward, compile_pass)
     else:
         kv_bytes = default_cpu_kv_bytes(config, kv_spec)
     return max(kv_bytes // kv_spec.bytes_per_block, 0)
@@ -50,6 +56,7 @@ def profile_kv_bytes(
     model: nn.Module,
     device: torch.device,
     forward: Forward,
+    compile_pass: CompilePass | None = None,
 ) -> int:
     """Run the largest batch the scheduler may send and see how much memory is left."""
     lengths, remaining = [], config.max_num_batched_tokens
@@ -76,8 +83,11 @@ def profile_kv_bytes(
         model.compute_logits(hidden[:rows]).float().softmax(dim=-1)
         return hidden
 
-    key = compile_ahead_key("profile run", model, kv_spec, lengths, config.max_num_seqs)
-    if compile_for(run, "profile run", key) is not None:
+    settings = (kv_spec, lengths, config.max_num_seqs)
+    if compile_pass is None:
+        key = compile_ahead_key("profile run", model, *settings)
+        compile_pass = lambda run, settings: compile_for(run, "profile run", key) is not None  # noqa: E731
+    if compile_pass(run, settings):
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)  # the caught run's transients add nothing
     hidden = run()

@@ -39,8 +39,8 @@ from worker_proc.batch import (
 from worker_proc.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
 from worker_proc.forward_context import ForwardContext, set_forward_context
 from worker_proc.graph_capture import (
+    KernelCompile,
     capture_graphs,
-    compile_graph_kernels,
     release_warm_up_memory,
 )
 from worker_proc.kv_cache import (
@@ -151,8 +151,25 @@ class ModelRunner:
             block_size=self.block_size,
             dtype=self.dtype,
         )
+        self.max_blocks_per_seq = self.kv_spec.blocks_for_tokens(config.max_model_len)
+        if graph_backend is None and self.device.type == "cuda" and not config.enforce_eager:
+            graph_backend = CudaGraphBackend(self.device)
+        capture_args = (
+            self.model,
+            config,
+            self.model_config.vocab_size,
+            self.max_blocks_per_seq,
+            self.dtype,
+            self.device,
+        )
+        kernel_compile = KernelCompile(capture_args, timeline)
         self.num_kv_blocks = decide_num_blocks(
-            config, self.kv_spec, self.model, self.device, self._forward
+            config,
+            self.kv_spec,
+            self.model,
+            self.device,
+            self._forward,
+            kernel_compile.with_profile if isinstance(graph_backend, CudaGraphBackend) else None,
         )
         timeline.mark("kv profile")
         check_capacity(self.num_kv_blocks, self.block_size, config.max_model_len)
@@ -162,7 +179,6 @@ class ModelRunner:
         bind_kv_caches(self.model, kv_caches)
         log_kv_cache(self.kv_spec, self.num_kv_blocks, self.device)
 
-        self.max_blocks_per_seq = self.kv_spec.blocks_for_tokens(config.max_model_len)
         self.slots = SlotTable(max(config.max_num_seqs, 1), self.max_blocks_per_seq, self.device)
         self.uploader = Uploader(self.device)
         self.live = LiveSequences(
@@ -183,19 +199,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.graph_capture_seconds = 0.0
-        if graph_backend is None and self.device.type == "cuda" and not config.enforce_eager:
-            graph_backend = CudaGraphBackend(self.device)
-        capture_args = (
-            self.model,
-            config,
-            self.model_config.vocab_size,
-            self.max_blocks_per_seq,
-            self.dtype,
-            self.device,
-        )
         if isinstance(graph_backend, CudaGraphBackend):
-            compile_graph_kernels(*capture_args)
-            timeline.mark("kernel compile")
+            kernel_compile.graphs_alone()
         if graph_backend is not None:
             captured = capture_graphs(*capture_args, graph_backend)
             self.graphs, self.prefill_graphs = captured.decode, captured.prefill
