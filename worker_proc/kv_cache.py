@@ -42,6 +42,14 @@ class KVCacheSpec:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """The cache of ``model``'s attention layers (all alike) on this rank."""
+        from worker_proc.layers.attention import Attention
+
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        return cls(len(layers), layers[0].num_kv_heads, layers[0].head_dim, block_size, dtype)
+
 
 def default_cpu_kv_bytes(config: EngineConfig, spec: KVCacheSpec) -> int:
     wanted = config.max_num_seqs * spec.blocks_for_tokens(config.max_model_len)

@@ -50,7 +50,7 @@ from worker_proc.kv_cache import (
     log_kv_cache,
 )
 from worker_proc.kv_profile import decide_num_blocks
-from worker_proc.layers.attention import Attention, bind_kv_caches
+from worker_proc.layers.attention import bind_kv_caches
 from worker_proc.live_seqs import LiveSequences
 from worker_proc.live_seqs import PlanError as PlanError  # re-exported for callers
 from worker_proc.loader import load_model
@@ -143,14 +143,7 @@ class ModelRunner:
             triton_warm_up.join()
         timeline.mark("weights")
 
-        attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.kv_spec = KVCacheSpec(
-            num_layers=len(attention_layers),
-            num_kv_heads=attention_layers[0].num_kv_heads,
-            head_dim=attention_layers[0].head_dim,
-            block_size=self.block_size,
-            dtype=self.dtype,
-        )
+        self.kv_spec = KVCacheSpec.for_model(self.model, self.block_size, self.dtype)
         self.max_blocks_per_seq = self.kv_spec.blocks_for_tokens(config.max_model_len)
         if graph_backend is None and self.device.type == "cuda" and not config.enforce_eager:
             graph_backend = CudaGraphBackend(self.device)
