@@ -62,6 +62,7 @@ MAX_FORKED = 16
 CHILD_TIMEOUT_S = 300
 _active = threading.Lock()
 _fork_lock = threading.Lock()
+_fork_seconds = [0.0]  # spent in fork() by this process, all threads together
 # Variables of the environment that pick no kernel; the launcher's pid differs every run.
 _NOT_KERNEL_SETTINGS = frozenset(
     {
@@ -83,6 +84,7 @@ class CompileAheadReport:
     variants: int = 0  # kernel variants not yet compiled in this process, compiled now
     seconds: float = 0.0  # from entering the block to the last compile's end
     longest: float = 0.0  # seconds of the longest compile, with its launcher
+    forking: float = 0.0  # seconds spent in fork(), which holds the GIL
 
 
 def available() -> bool:
@@ -146,6 +148,7 @@ def compile_ahead(threads: int | None = None) -> Iterator[CompileAheadReport]:
     if not _active.acquire(blocking=False):
         raise RuntimeError("compile_ahead is already active")
     started = time.monotonic()
+    forked_before = _fork_seconds[0]
     try:
         with ThreadPoolExecutor(report.threads, thread_name_prefix="triton-compile") as pool:
             mode = AsyncCompileMode(_WithLauncher(pool, report))
@@ -166,6 +169,7 @@ def compile_ahead(threads: int | None = None) -> Iterator[CompileAheadReport]:
     finally:
         _active.release()
         report.seconds = time.monotonic() - started
+        report.forking = _fork_seconds[0] - forked_before
 
 
 def _forget_unfinished(filed_kernels: list[tuple[dict, Any, Any]]) -> None:
@@ -239,7 +243,10 @@ def compiled_in_child(work: Callable[[], Any]) -> bool:
         # One fork at a time: fork hooks that other libraries register (filelock's) refuse a
         # fork that starts while another thread's is under way.
         with _fork_lock:
+            started = time.monotonic()
             pid = os.fork()
+            if pid:
+                _fork_seconds[0] += time.monotonic() - started
     except (OSError, RuntimeError):
         logger.debug("fork failed; compiling in the thread", exc_info=True)
         return False
@@ -356,7 +363,7 @@ def compile_for(
             logger.warning("could not note the compile-ahead at %s", marker, exc_info=True)
     logger.info(
         "%s: %d Triton kernel variants compiled ahead from %d launches in %.2f s on %d %s "
-        "(the longest %.2f s)",
+        "(the longest %.2f s; forking %.2f s)",
         what,
         report.variants,
         report.launches,
@@ -364,5 +371,6 @@ def compile_for(
         report.threads,
         "forked children" if report.forked else "threads",
         report.longest,
+        report.forking,
     )
     return report
