@@ -14,8 +14,9 @@ from pegainfer.protocol import (
     pack_ids,
     unpack_ids,
 )
+from worker_proc.device_choice import resolve_device, resolve_dtype
 from worker_proc.kv_cache import KVCacheSpec, default_cpu_kv_bytes
-from worker_proc.model_runner import ModelRunner, PlanError, resolve_device, resolve_dtype
+from worker_proc.model_runner import ModelRunner, PlanError
 
 pytest.importorskip("transformers")
 

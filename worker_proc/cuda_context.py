@@ -20,7 +20,7 @@ import threading
 
 def device_ordinal(device: str, local_rank: int) -> int | None:
     """The CUDA device ordinal the worker will use for ``--device`` (as
-    ``worker_proc.model_runner.resolve_device`` picks it), or None for the CPU."""
+    ``worker_proc.device_choice.resolve_device`` picks it), or None for the CPU."""
     if device in ("auto", "cuda"):
         return local_rank
     if device.startswith("cuda:"):
