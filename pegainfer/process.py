@@ -18,6 +18,7 @@ import zmq
 
 from pegainfer import ipc, protocol
 from pegainfer.config import STAGE_LAUNCHED, EngineConfig
+from pegainfer.gc_control import settle_heap
 
 PARENT_PID_ENV = "PEGAINFER_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
@@ -140,7 +141,8 @@ def release_free_heap() -> None:
 
 
 def report_ready(ctx: zmq.Context, run_dir: str, name: str, **info) -> None:
-    """Tell the launcher this process has started, once start-up's garbage is returned."""
+    """Tell the launcher this process has started, once start-up's garbage is returned; then
+    take start-up's objects out of the garbage collector's walks (pegainfer/gc_control.py)."""
     release_free_heap()
     logger.info("ready %s", " ".join(f"{k}={v}" for k, v in info.items()))
     sock = ipc.connect(ctx, zmq.PUSH, run_dir, "launcher")
@@ -148,3 +150,6 @@ def report_ready(ctx: zmq.Context, run_dir: str, name: str, **info) -> None:
     # LINGER is 0 on our sockets; give the message a moment to leave before closing.
     time.sleep(0.05)
     sock.close(linger=1000)
+    # After the message, so that the collection does not delay the tree's readiness.
+    settle_heap(name)
+    release_free_heap()

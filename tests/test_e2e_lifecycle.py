@@ -38,6 +38,18 @@ def test_every_process_names_itself(tiny_qwen3_dir, tmp_path):
         for role in ROLES:
             pid = server.children()[f"pegainfer::{role}"].pid
             assert re.search(rf"pegainfer::{role}\[{pid}\]", log), (role, log[-2000:])
+        # Once ready, each process takes its start-up heap out of the collector's walks.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            log = server.log()
+            if all(f"{role}: froze" in log for role in ROLES):
+                break
+            time.sleep(0.1)
+        for role in ROLES:
+            pid = server.children()[f"pegainfer::{role}"].pid
+            assert re.search(
+                rf"pegainfer::{role}\[{pid}\] \S+: {role}: froze \d{{4,}} objects of start-up", log
+            ), (role, log[-3000:])
         assert server.run_dir and os.path.isdir(server.run_dir)
         assert os.stat(server.run_dir).st_mode & 0o777 == 0o700
         manifest = os.path.join(server.run_dir, "manifest.json")

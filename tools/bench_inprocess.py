@@ -253,7 +253,10 @@ def sweep_inprocess(
     from tools.step_profile import summarize_profile
 
     profile_batches = getattr(args, "profile_batches", [])
+    from pegainfer.gc_control import settle_heap
+
     runner, config = make_inprocess_runner(args, max(batches), shape)
+    settle_heap("bench")  # as the worker does once it is ready
     vocab = clamp_vocab_range(args.vocab_range, args.model_path)
     # Warm-up: lazy initialisation must not land in the first batch.
     in_flight = 1 if args.no_overlap else 2

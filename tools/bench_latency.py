@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_runner(args: argparse.Namespace, max_model_len: int, shape: ModelShape) -> Any:
     from pegainfer.config import EngineConfig, finalize, read_model_info
+    from pegainfer.gc_control import settle_heap
     from worker_proc.model_runner import ModelRunner
 
     # Exactly the blocks one sequence needs (plus one spare): no profile run, a fast start.
@@ -88,7 +89,9 @@ def make_runner(args: argparse.Namespace, max_model_len: int, shape: ModelShape)
         seed=args.seed,
         model=read_model_info(args.model_path),
     )
-    return ModelRunner(finalize(config), 0)
+    runner = ModelRunner(finalize(config), 0)
+    settle_heap("bench")  # as the worker does once it is ready
+    return runner
 
 
 def run_context(
