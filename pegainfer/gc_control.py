@@ -11,7 +11,8 @@ them are never reclaimed, and start-up's cycles were collected just before.
 
 ``CollectionWatch`` times every collection after that, and logs any longer than
 ``PEGAINFER_GC_WARN_MS`` (default 20) with its generation and what it found, so that a
-pause in a process's timeline has a name.
+pause in a process's timeline has a name; a process that stops logs its totals.
+``PEGAINFER_GC_FREEZE=0`` leaves the heap unfrozen (the watch stays).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 GC_WARN_ENV = "PEGAINFER_GC_WARN_MS"
+GC_FREEZE_ENV = "PEGAINFER_GC_FREEZE"
 DEFAULT_WARN_MS = 20.0
 
 
@@ -64,6 +66,7 @@ class CollectionWatch:
     counts: list[int] = field(default_factory=lambda: [0, 0, 0])
     seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     slow: int = 0
+    longest_s: float = 0.0
     _started: float | None = None
 
     def __call__(self, phase: str, info: dict) -> None:
@@ -77,6 +80,7 @@ class CollectionWatch:
         generation = min(max(int(info.get("generation", 0)), 0), 2)
         self.counts[generation] += 1
         self.seconds[generation] += elapsed
+        self.longest_s = max(self.longest_s, elapsed)
         if elapsed >= self.warn_s:
             self.slow += 1
             logger.warning(
@@ -98,18 +102,40 @@ class CollectionWatch:
         if self in gc.callbacks:
             gc.callbacks.remove(self)
 
+    def summary(self) -> str:
+        parts = ", ".join(
+            f"generation {generation} {count} ({seconds * 1e3:.1f} ms)"
+            for generation, (count, seconds) in enumerate(zip(self.counts, self.seconds))
+        )
+        return f"{parts}; the longest {self.longest_s * 1e3:.1f} ms, {self.slow} slow"
 
-def settle_heap(name: str) -> HeapFreeze:
+
+_watch: CollectionWatch | None = None
+
+
+def settle_heap(name: str) -> HeapFreeze | None:
     """What a process does once it is ready: freeze start-up's heap, log it, and watch the
     collections that follow."""
-    freeze = freeze_startup_heap()
-    logger.info(
-        "%s: froze %d objects of start-up in the permanent GC generation "
-        "(a full collection took %.1f ms and freed %d)",
-        name,
-        freeze.frozen_objects,
-        freeze.collect_seconds * 1e3,
-        freeze.collected,
-    )
-    CollectionWatch().install()
+    global _watch
+    freeze = None
+    if os.environ.get(GC_FREEZE_ENV, "1") == "0":
+        logger.info("%s: start-up heap left unfrozen (%s=0)", name, GC_FREEZE_ENV)
+    else:
+        freeze = freeze_startup_heap()
+        logger.info(
+            "%s: froze %d objects of start-up in the permanent GC generation "
+            "(a full collection took %.1f ms and freed %d)",
+            name,
+            freeze.frozen_objects,
+            freeze.collect_seconds * 1e3,
+            freeze.collected,
+        )
+    if _watch is None:
+        _watch = CollectionWatch().install()
     return freeze
+
+
+def log_collections(name: str) -> None:
+    """The collections since ``settle_heap``, for a process that is stopping."""
+    if _watch is not None:
+        logger.info("%s: garbage collections since ready: %s", name, _watch.summary())

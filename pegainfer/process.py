@@ -18,7 +18,7 @@ import zmq
 
 from pegainfer import ipc, protocol
 from pegainfer.config import STAGE_LAUNCHED, EngineConfig
-from pegainfer.gc_control import settle_heap
+from pegainfer.gc_control import log_collections, settle_heap
 
 PARENT_PID_ENV = "PEGAINFER_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
@@ -98,17 +98,18 @@ def init_child(name: str, run_dir: str, stage: int = STAGE_LAUNCHED) -> EngineCo
         if os.getppid() != parent_pid:
             os._exit(1)
         watch_parent(parent_pid, run_dir)
-        signal.signal(signal.SIGTERM, lambda *_: _exit_on_sigterm(parent_pid, run_dir))
+        signal.signal(signal.SIGTERM, lambda *_: _exit_on_sigterm(name, parent_pid, run_dir))
     if config.start_stage < stage:
         config = EngineConfig.wait_for_stage(run_dir, stage)
     return config
 
 
-def _exit_on_sigterm(parent_pid: int, run_dir: str) -> None:
+def _exit_on_sigterm(name: str, parent_pid: int, run_dir: str) -> None:
     # SIGTERM comes from the launcher stopping the tree, or from the parent-death signal;
     # in the second case no launcher is left to remove the run directory.
     if os.getppid() != parent_pid:
         shutil.rmtree(run_dir, ignore_errors=True)
+    log_collections(name)
     logging.shutdown()
     os._exit(0)
 

@@ -217,6 +217,7 @@ def test_bench_latency(micro_dir, tmp_path):
     assert set(rows) == {8, 40}
     for row in rows.values():
         assert row["steps"] == 6
+        assert row["ms_per_step_max"] >= max(row["ms_per_step_median"], row["ms_per_step_mean"])
         assert row["tok_s"] == pytest.approx(1e3 / row["ms_per_step_mean"])
         assert row["roofline_tok_s"] == pytest.approx(1e3 / row["roofline_ms_per_step"])
         assert row["pct_of_roofline"] == pytest.approx(

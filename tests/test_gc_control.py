@@ -5,12 +5,13 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import subprocess
 import sys
 
 import pytest
 
-from pegainfer.gc_control import GC_WARN_ENV, CollectionWatch, warn_threshold_s
+from pegainfer.gc_control import GC_FREEZE_ENV, GC_WARN_ENV, CollectionWatch, warn_threshold_s
 
 # Run in a child: freezing would exempt the test session's own heap from collection.
 _FREEZE_CHILD = """
@@ -94,3 +95,38 @@ def test_installing_twice_hooks_once():
 def test_warn_threshold_from_the_environment(monkeypatch, value, seconds):
     monkeypatch.setenv(GC_WARN_ENV, value)
     assert warn_threshold_s() == pytest.approx(seconds)
+
+
+_SETTLE_CHILD = """
+import gc, json, logging, sys
+from pegainfer.gc_control import log_collections, settle_heap
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+settle_heap("probe")
+settle_heap("probe")  # a second call adds no second watch
+gc.collect(2)
+log_collections("probe")
+print(json.dumps(dict(frozen=gc.get_freeze_count(), hooks=len(gc.callbacks))))
+"""
+
+
+@pytest.mark.parametrize("freeze", ["1", "0"])
+def test_settle_heap_freezes_unless_told_not_to_and_reports_at_the_end(freeze):
+    proc = subprocess.run(
+        [sys.executable, "-c", _SETTLE_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, GC_FREEZE_ENV: freeze},
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["hooks"] == 1
+    if freeze == "0":
+        assert report["frozen"] == 0
+        assert "probe: start-up heap left unfrozen (PEGAINFER_GC_FREEZE=0)" in proc.stderr
+    else:
+        assert report["frozen"] > 1_000
+        assert "probe: froze" in proc.stderr
+    assert "probe: garbage collections since ready: generation 0 " in proc.stderr
+    assert "generation 2 " in proc.stderr and "; the longest " in proc.stderr
