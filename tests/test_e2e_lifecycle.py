@@ -50,6 +50,8 @@ def test_every_process_names_itself(tiny_qwen3_dir, tmp_path):
             assert re.search(
                 rf"pegainfer::{role}\[{pid}\] \S+: {role}: froze \d{{4,}} objects of start-up", log
             ), (role, log[-3000:])
+        # The worker imported torch with the collector off, and says what start-up collected.
+        assert "worker-0: garbage collections during start-up, after its imports: " in log
         assert server.run_dir and os.path.isdir(server.run_dir)
         assert os.stat(server.run_dir).st_mode & 0o777 == 0o700
         manifest = os.path.join(server.run_dir, "manifest.json")

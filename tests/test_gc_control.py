@@ -130,3 +130,39 @@ def test_settle_heap_freezes_unless_told_not_to_and_reports_at_the_end(freeze):
         assert "probe: froze" in proc.stderr
     assert "probe: garbage collections since ready: generation 0 " in proc.stderr
     assert "generation 2 " in proc.stderr and "; the longest " in proc.stderr
+
+
+_IMPORTS_CHILD = """
+import gc, json, logging, sys
+if sys.argv[1] == "off":
+    gc.disable()
+import email.parser, json.decoder, xml.dom.minidom  # some imports' objects
+from pegainfer.gc_control import freeze_imports, settle_heap
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+freeze_imports()
+frozen_by_imports = gc.get_freeze_count()
+enabled = gc.isenabled()
+settle_heap("probe")
+print(json.dumps(dict(frozen_by_imports=frozen_by_imports, enabled=enabled)))
+"""
+
+
+@pytest.mark.parametrize(
+    ("collector", "freeze", "frozen"), [("off", "1", True), ("off", "0", False), ("on", "1", False)]
+)
+def test_freeze_imports_only_where_the_imports_ran_without_the_collector(collector, freeze, frozen):
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORTS_CHILD, collector],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, GC_FREEZE_ENV: freeze},
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["enabled"] is True
+    assert (report["frozen_by_imports"] > 1_000) is frozen
+    # Start-up's collections after the imports are counted where the imports ran without it.
+    counted = "probe: garbage collections during start-up, after its imports: " in proc.stderr
+    assert counted is (collector == "off")

@@ -24,6 +24,7 @@ import traceback
 import zmq
 
 from pegainfer import ipc
+from pegainfer.gc_control import freeze_imports
 from pegainfer.multinode import local_rank, worker_plan_socket
 from pegainfer.process import child_args, init_child, report_ready
 from pegainfer.protocol import StepPlan, StepResult
@@ -111,6 +112,7 @@ def main() -> int:
     from worker_proc.model_runner import ModelRunner  # torch loads here, after naming
 
     timeline.mark("torch import")
+    freeze_imports()  # the collector was off for the imports (worker_proc/__main__.py)
     if context_thread is not None:
         context_thread.join()
         timeline.mark("cuda context")
