@@ -38,7 +38,8 @@ the activation kernel), qkv 10.8 against 11.3; at 64 rows cuBLAS wins the narrow
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -65,6 +66,7 @@ _NO_SPECIALIZE = ("M", "num_splits")
 def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
+    w_desc,
     bias_ptr,
     out_ptr,
     partial_ptr,
@@ -97,10 +99,12 @@ def _skinny_gemm_kernel(
     USE_PDL: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
     PREFETCH_TILES: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     skinny_tile.skinny_gemm_tile(
         x_ptr,
         w_ptr,
+        w_desc,
         bias_ptr,
         out_ptr,
         partial_ptr,
@@ -135,6 +139,7 @@ def _skinny_gemm_kernel(
         True,
         LAUNCH_SUCCESSOR,
         PREFETCH_TILES,
+        TMA,
     )
 
 
@@ -142,6 +147,7 @@ def _skinny_gemm_kernel(
 def _skinny_gemm_silu_and_mul_kernel(
     x_ptr,
     w_ptr,
+    w_desc,
     bias_ptr,
     out_ptr,
     partial_ptr,
@@ -174,10 +180,12 @@ def _skinny_gemm_silu_and_mul_kernel(
     USE_PDL: tl.constexpr,
     PAIRED: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     skinny_tile.skinny_gemm_tile(
         x_ptr,
         w_ptr,
+        w_desc,
         bias_ptr,
         out_ptr,
         partial_ptr,
@@ -211,7 +219,27 @@ def _skinny_gemm_silu_and_mul_kernel(
         USE_PDL,
         PAIRED,
         LAUNCH_SUCCESSOR,
+        0,
+        TMA,
     )
+
+
+def tma_fits(weight: torch.Tensor) -> bool:
+    """Whether the tensor memory accelerator can read ``weight``: 16-byte aligned rows, on a
+    GPU of compute capability 9.0 or later (or in Triton's interpreter, which emulates it)."""
+    row_bytes = weight.stride(0) * weight.element_size()
+    if weight.data_ptr() % 16 or row_bytes % 16:
+        return False
+    if os.environ.get("TRITON_INTERPRET", "") == "1":
+        return True
+    return weight.is_cuda and torch.cuda.get_device_capability(weight.device)[0] >= 9
+
+
+def weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int) -> Any:
+    """A host-side TMA descriptor of ``weight`` read in ``[block_n, block_k]`` tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [block_n, block_k])
 
 
 def block_rows(num_rows: int) -> int:
@@ -234,6 +262,7 @@ def skinny_gemm(
     norm_weight: torch.Tensor | None = None,
     paired: bool = False,
     prefetch_tiles: int = 0,
+    tma: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [M, K] @ weight [N, K].T (+ bias) -> [M, N]`` for ``1 <= M <= 64``; with
     ``silu_mul``, ``weight`` is ``[gate | up]`` (``2 * n`` rows, no bias) and the result
@@ -243,7 +272,9 @@ def skinny_gemm(
     applied. With ``residual [M, N]`` and ``norm_weight [N]`` the result is ``(s, square
     sums [M, tiles], s * norm_weight)`` for ``s = round(x @ weight.T) + residual``: what the
     norm that follows needs (kernels/pending_norm.py). A plain projection may read
-    ``prefetch_tiles`` weight tiles of its split before the PDL wait."""
+    ``prefetch_tiles`` weight tiles of its split before the PDL wait. With ``tma`` the
+    weight tiles come through the tensor memory accelerator (Hopper and later), where the
+    weight's layout allows it (``tma_fits``)."""
     num_rows, k = x.shape
     if not 0 < num_rows <= MAX_ROWS:
         raise ValueError(f"the skinny GEMM takes 1-{MAX_ROWS} rows, got {num_rows}")
@@ -283,10 +314,12 @@ def skinny_gemm(
         out_sums = torch.empty((num_rows, num_tiles), dtype=torch.float32, device=x.device)
         weighted = torch.empty_like(out)
     with_pdl = use_pdl(x)
+    w_desc = weight_descriptor(weight, block_n, block_k) if tma and tma_fits(weight) else None
     kernel = _skinny_gemm_silu_and_mul_kernel if silu_mul else _skinny_gemm_kernel
     kernel[(num_tiles, split_k)](
         x,
         weight,
+        w_desc,
         bias if bias is not None else x,
         out,
         partial,
@@ -322,6 +355,7 @@ def skinny_gemm(
         ),
         num_warps=num_warps,
         num_stages=num_stages,
+        TMA=w_desc is not None,
         **({"PAIRED": paired} if silu_mul else {}),
         **({} if silu_mul else {"PREFETCH_TILES": prefetch_tiles}),
         **pdl.launch_options(with_pdl),
@@ -356,6 +390,7 @@ def skinny_gemm_with(
         silu_mul=silu_mul,
         normed=normed,
         paired=config.paired,
+        tma=config.tma,
     )
     assert isinstance(out, torch.Tensor)
     return out
@@ -378,6 +413,7 @@ def skinny_gemm_add_residual(
         residual=residual,
         norm_weight=norm_weight,
         prefetch_tiles=prefetch_tiles,
+        tma=config.tma,
     )
     assert isinstance(out, tuple)
     return out
