@@ -38,8 +38,7 @@ the activation kernel), qkv 10.8 against 11.3; at 64 rows cuBLAS wins the narrow
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,6 +46,7 @@ from kernels import pdl, skinny_tile
 from kernels.attention_merge import split_counters
 from kernels.backend import cdiv, dot_needs_fp32, load_triton, triton_jit, use_pdl
 from kernels.pending_norm import PendingNorm
+from kernels.tma import tma_fits, weight_descriptor
 
 if TYPE_CHECKING:
     from kernels.linear import LinearConfig
@@ -222,24 +222,6 @@ def _skinny_gemm_silu_and_mul_kernel(
         0,
         TMA,
     )
-
-
-def tma_fits(weight: torch.Tensor) -> bool:
-    """Whether the tensor memory accelerator can read ``weight``: 16-byte aligned rows, on a
-    GPU of compute capability 9.0 or later (or in Triton's interpreter, which emulates it)."""
-    row_bytes = weight.stride(0) * weight.element_size()
-    if weight.data_ptr() % 16 or row_bytes % 16:
-        return False
-    if os.environ.get("TRITON_INTERPRET", "") == "1":
-        return True
-    return weight.is_cuda and torch.cuda.get_device_capability(weight.device)[0] >= 9
-
-
-def weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int) -> Any:
-    """A host-side TMA descriptor of ``weight`` read in ``[block_n, block_k]`` tiles."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [block_n, block_k])
 
 
 def block_rows(num_rows: int) -> int:

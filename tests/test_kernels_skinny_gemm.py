@@ -17,7 +17,8 @@ from kernels.attention_merge import split_counters
 from kernels.linear import LinearConfig, linear_ref
 from kernels.linear_configs import parse_table, skinny_config, skinny_rule
 from kernels.linear_fused import linear_silu_and_mul, linear_silu_and_mul_ref
-from kernels.skinny_gemm import block_rows, skinny_gemm, skinny_gemm_with, tma_fits
+from kernels.skinny_gemm import block_rows, skinny_gemm, skinny_gemm_with
+from kernels.tma import tma_fits
 
 pytestmark = requires_triton
 
