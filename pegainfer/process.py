@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -104,12 +105,25 @@ def init_child(name: str, run_dir: str, stage: int = STAGE_LAUNCHED) -> EngineCo
     return config
 
 
+_stop_reports: list[Callable[[], None]] = []
+
+
+def at_stop(report: Callable[[], None]) -> None:
+    """Have ``report`` (a last log line of this process's own) run when SIGTERM stops it."""
+    _stop_reports.append(report)
+
+
 def _exit_on_sigterm(name: str, parent_pid: int, run_dir: str) -> None:
     # SIGTERM comes from the launcher stopping the tree, or from the parent-death signal;
     # in the second case no launcher is left to remove the run directory.
     if os.getppid() != parent_pid:
         shutil.rmtree(run_dir, ignore_errors=True)
     log_collections(name)
+    for report in _stop_reports:
+        try:
+            report()
+        except Exception:  # a report must never keep the process from stopping
+            logging.getLogger(__name__).exception("%s: a stop report failed", name)
     logging.shutdown()
     os._exit(0)
 

@@ -253,10 +253,12 @@ def sweep_inprocess(
     from tools.step_profile import summarize_profile
 
     profile_batches = getattr(args, "profile_batches", [])
+    from kernels.compile_watch import watch_late_compiles
     from pegainfer.gc_control import settle_heap
 
     runner, config = make_inprocess_runner(args, max(batches), shape)
     settle_heap("bench")  # as the worker does once it is ready
+    watch = watch_late_compiles("bench")
     vocab = clamp_vocab_range(args.vocab_range, args.model_path)
     # Warm-up: lazy initialisation must not land in the first batch.
     in_flight = 1 if args.no_overlap else 2
@@ -266,6 +268,8 @@ def sweep_inprocess(
     for i, batch in enumerate(batches):
         prompts = random_token_prompts([args.input_len] * batch, vocab, args.seed + i)
         rows.append(run_inprocess_batch(runner, config, prompts, args.output_len, "", in_flight))
+    if watch is not None:
+        print(watch.summary(), flush=True)
     for batch in profile_batches:
         prompts = random_token_prompts([args.input_len] * batch, vocab, args.seed + batch)
         prof, contexts = profile_full_decode(runner, config, prompts, args.profile_steps, in_flight)

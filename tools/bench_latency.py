@@ -17,6 +17,7 @@ bandwidth measured here; tok/s at the roofline is its inverse.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -91,6 +92,9 @@ def make_runner(args: argparse.Namespace, max_model_len: int, shape: ModelShape)
     )
     runner = ModelRunner(finalize(config), 0)
     settle_heap("bench")  # as the worker does once it is ready
+    from kernels.compile_watch import watch_late_compiles
+
+    watch_late_compiles("bench")  # a compile inside a timed step is named, as in the worker
     return runner
 
 
@@ -203,7 +207,13 @@ def profile_decode(
     if runner.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     prof = profile(activities=activities)
-    run_context(runner, context, args.steps, args.warmup_steps, seq_id, 0, in_flight, prof)
+    # The profiler's events are millions of tracked objects: with the collector on, full
+    # collections walking them grow to most of a second and fall inside profiled steps.
+    gc.disable()
+    try:
+        run_context(runner, context, args.steps, args.warmup_steps, seq_id, 0, in_flight, prof)
+    finally:
+        gc.enable()
     averages = prof.key_averages()
     sort_key = "self_device_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
     try:
@@ -245,6 +255,10 @@ def summarize_context(raw: dict[str, Any], shape: ModelShape, roof: Roofline) ->
         "ms_per_step_p90": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
         # A host stall (a collection, a compile) shows here long before it moves the median.
         "ms_per_step_max": max(times) * 1e3,
+        "slowest_steps": [
+            {"step": i, "ms": times[i] * 1e3}
+            for i in sorted(range(len(times)), key=times.__getitem__)[-3:][::-1]
+        ],
         "tok_s": 1.0 / mean_s,
         "roofline_ms_per_step": roof_s * 1e3,
         "roofline_tok_s": 1.0 / roof_s,
@@ -333,6 +347,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ],
     )
     print(roof.describe() + "; target: >= 85% of roofline at batch 1")
+    for r in rows:
+        slowest = ", ".join(f"#{s['step']} {s['ms']:.2f} ms" for s in r["slowest_steps"])
+        print(f"context {r['context']}: slowest timed steps {slowest}")
+    from kernels.compile_watch import late_compiles
+
+    watch = late_compiles()
+    if watch is not None:
+        print(watch.summary())
     payload = {
         "benchmark": "latency",
         "meta": run_metadata(argv),

@@ -26,7 +26,7 @@ import zmq
 from pegainfer import ipc
 from pegainfer.gc_control import freeze_imports
 from pegainfer.multinode import local_rank, worker_plan_socket
-from pegainfer.process import child_args, init_child, report_ready
+from pegainfer.process import at_stop, child_args, init_child, report_ready
 from pegainfer.protocol import StepPlan, StepResult
 from pegainfer.startup_timeline import StartupTimeline
 from worker_proc.cuda_context import device_ordinal, start_primary_context
@@ -144,7 +144,16 @@ def main() -> int:
         decode_graphs=len(runner.graphs.sizes) if runner.graphs is not None else 0,
         graph_capture_s=round(runner.graph_capture_seconds, 3),
     )
+    # After start-up's compiles: any later one stalls the step that launched it. (The CPU
+    # path runs no Triton kernel, and importing Triton there would only cost memory.)
+    from kernels.compile_watch import watch_late_compiles
+
+    watch = watch_late_compiles(name) if runner.device.type == "cuda" else None
+    if watch is not None:
+        at_stop(lambda: logger.info("%s: %s", name, watch.summary()))
     status = serve(runner, plans, results)
+    if watch is not None:
+        logger.info("%s: %s", name, watch.summary())
     if results is not None:
         # LINGER is 0 on our sockets; let the error result leave before exiting.
         results.close(linger=2000)
