@@ -46,8 +46,7 @@ class LinearConfig:
     """One launch shape. ``kind`` is "gemv" (``block_m`` rows per program, any power of
     two) or "skinny" (kernels/skinny_gemm.py: all rows, up to 64, in one tile; ``split_k``
     programs over K; ``paired``: the gate/up projection with silu-and-mul reads its gate and
-    up rows in one K loop instead of one loop after the other; ``tma``: the weight tiles come
-    through the tensor memory accelerator)."""
+    up rows in one K loop instead of one loop after the other)."""
 
     kind: str
     block_n: int
@@ -57,7 +56,6 @@ class LinearConfig:
     split_k: int = 1
     num_stages: int = 3
     paired: bool = False
-    tma: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("gemv", "skinny"):

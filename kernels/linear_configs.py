@@ -20,7 +20,6 @@ each program then re-reads 64 rows of activations from L2 per weight tile).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -108,7 +107,6 @@ def parse_table(payload: dict[str, Any]) -> dict[TableKey, LinearConfig | None]:
             int(entry["split_k"]),
             int(entry["num_stages"]),
             bool(entry.get("paired", False)),
-            bool(entry.get("tma", False)),
         )
     return table
 
@@ -145,15 +143,10 @@ def skinny_config(num_rows: int, n: int, k: int, silu_mul: bool = False) -> Line
     key = (block_rows(num_rows), n, k, silu_mul)
     table = _load_table(path)
     if key in table:
-        config = table[key]
-    elif (name and major < 9) or key[0] > 32:
-        config = None
-    else:
-        config = skinny_rule(num_rows, n, k, silu_mul)
-    tma = os.environ.get("PEGAINFER_SKINNY_TMA", "")
-    if config is not None and tma in ("0", "1"):
-        config = dataclasses.replace(config, tma=tma == "1")
-    return config
+        return table[key]
+    if (name and major < 9) or key[0] > 32:
+        return None
+    return skinny_rule(num_rows, n, k, silu_mul)
 
 
 # Weight tiles a projection reads before its PDL wait when its caller asks for it: the o

@@ -46,7 +46,6 @@ from kernels import pdl, skinny_tile
 from kernels.attention_merge import split_counters
 from kernels.backend import cdiv, dot_needs_fp32, load_triton, triton_jit, use_pdl
 from kernels.pending_norm import PendingNorm
-from kernels.tma import tma_fits, weight_descriptor
 
 if TYPE_CHECKING:
     from kernels.linear import LinearConfig
@@ -66,7 +65,6 @@ _NO_SPECIALIZE = ("M", "num_splits")
 def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
-    w_desc,
     bias_ptr,
     out_ptr,
     partial_ptr,
@@ -99,12 +97,10 @@ def _skinny_gemm_kernel(
     USE_PDL: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
     PREFETCH_TILES: tl.constexpr,
-    TMA: tl.constexpr,
 ):
     skinny_tile.skinny_gemm_tile(
         x_ptr,
         w_ptr,
-        w_desc,
         bias_ptr,
         out_ptr,
         partial_ptr,
@@ -139,7 +135,6 @@ def _skinny_gemm_kernel(
         True,
         LAUNCH_SUCCESSOR,
         PREFETCH_TILES,
-        TMA,
     )
 
 
@@ -147,7 +142,6 @@ def _skinny_gemm_kernel(
 def _skinny_gemm_silu_and_mul_kernel(
     x_ptr,
     w_ptr,
-    w_desc,
     bias_ptr,
     out_ptr,
     partial_ptr,
@@ -180,12 +174,10 @@ def _skinny_gemm_silu_and_mul_kernel(
     USE_PDL: tl.constexpr,
     PAIRED: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
-    TMA: tl.constexpr,
 ):
     skinny_tile.skinny_gemm_tile(
         x_ptr,
         w_ptr,
-        w_desc,
         bias_ptr,
         out_ptr,
         partial_ptr,
@@ -219,8 +211,6 @@ def _skinny_gemm_silu_and_mul_kernel(
         USE_PDL,
         PAIRED,
         LAUNCH_SUCCESSOR,
-        0,
-        TMA,
     )
 
 
@@ -244,7 +234,6 @@ def skinny_gemm(
     norm_weight: torch.Tensor | None = None,
     paired: bool = False,
     prefetch_tiles: int = 0,
-    tma: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [M, K] @ weight [N, K].T (+ bias) -> [M, N]`` for ``1 <= M <= 64``; with
     ``silu_mul``, ``weight`` is ``[gate | up]`` (``2 * n`` rows, no bias) and the result
@@ -254,9 +243,7 @@ def skinny_gemm(
     applied. With ``residual [M, N]`` and ``norm_weight [N]`` the result is ``(s, square
     sums [M, tiles], s * norm_weight)`` for ``s = round(x @ weight.T) + residual``: what the
     norm that follows needs (kernels/pending_norm.py). A plain projection may read
-    ``prefetch_tiles`` weight tiles of its split before the PDL wait. With ``tma`` the
-    weight tiles come through the tensor memory accelerator (Hopper and later), where the
-    weight's layout allows it (``tma_fits``)."""
+    ``prefetch_tiles`` weight tiles of its split before the PDL wait."""
     num_rows, k = x.shape
     if not 0 < num_rows <= MAX_ROWS:
         raise ValueError(f"the skinny GEMM takes 1-{MAX_ROWS} rows, got {num_rows}")
@@ -296,12 +283,10 @@ def skinny_gemm(
         out_sums = torch.empty((num_rows, num_tiles), dtype=torch.float32, device=x.device)
         weighted = torch.empty_like(out)
     with_pdl = use_pdl(x)
-    w_desc = weight_descriptor(weight, block_n, block_k) if tma and tma_fits(weight) else None
     kernel = _skinny_gemm_silu_and_mul_kernel if silu_mul else _skinny_gemm_kernel
     kernel[(num_tiles, split_k)](
         x,
         weight,
-        w_desc,
         bias if bias is not None else x,
         out,
         partial,
@@ -337,7 +322,6 @@ def skinny_gemm(
         ),
         num_warps=num_warps,
         num_stages=num_stages,
-        TMA=w_desc is not None,
         **({"PAIRED": paired} if silu_mul else {}),
         **({} if silu_mul else {"PREFETCH_TILES": prefetch_tiles}),
         **pdl.launch_options(with_pdl),
@@ -372,7 +356,6 @@ def skinny_gemm_with(
         silu_mul=silu_mul,
         normed=normed,
         paired=config.paired,
-        tma=config.tma,
     )
     assert isinstance(out, torch.Tensor)
     return out
@@ -395,7 +378,6 @@ def skinny_gemm_add_residual(
         residual=residual,
         norm_weight=norm_weight,
         prefetch_tiles=prefetch_tiles,
-        tma=config.tma,
     )
     assert isinstance(out, tuple)
     return out

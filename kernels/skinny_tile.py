@@ -12,53 +12,27 @@ tl = None  # bound to triton.language by kernels.backend.load_triton()
 
 
 @triton_jit
-def _weight_tile(
-    w_rows,
-    w_desc,
-    desc_row,
-    k_start,
-    K,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    TMA: tl.constexpr,
-):
-    """The ``[BLOCK_N, BLOCK_K]`` weight tile at ``k_start``: through the tensor memory
-    accelerator from ``w_desc`` (rows from ``desc_row``; past K it reads zeros), or by
-    pointers from ``w_rows``."""
-    if TMA:
-        w = w_desc.load([desc_row, k_start])
-    else:
-        ks = k_start + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_rows + ks[None, :])
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=(ks < K)[None, :], other=0.0)
-    return w
-
-
-@triton_jit
 def _tile_dot(
     acc,
     x_rows,
     w_rows,
-    w_desc,
-    desc_row,
     k_begin,
     k_end,
     K,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    TMA: tl.constexpr,
 ):
     """``acc += w[features, k_begin:k_end] @ x[rows, k_begin:k_end].T``."""
     for k_start in range(k_begin, k_end, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
-        w = _weight_tile(w_rows, w_desc, desc_row, k_start, K, BLOCK_K, EVEN_K, TMA)
         if EVEN_K:
+            w = tl.load(w_rows + ks[None, :])
             x = tl.load(x_rows + ks[None, :])
         else:
-            x = tl.load(x_rows + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+            k_mask = ks < K
+            w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
         if DOT_FP32:
             w = w.to(tl.float32)
             x = x.to(tl.float32)
@@ -90,27 +64,26 @@ def _tile_dot_pair(
     x_rows,
     w_rows,
     up_rows,
-    w_desc,
-    desc_row,
-    up_desc_row,
     k_begin,
     k_end,
     K,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    TMA: tl.constexpr,
 ):
     """``_tile_dot`` of the gate rows and the up rows in one K loop: each activation tile is
     read once for both, and one load pipeline runs from the first K step to the last."""
     for k_start in range(k_begin, k_end, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
-        w = _weight_tile(w_rows, w_desc, desc_row, k_start, K, BLOCK_K, EVEN_K, TMA)
-        up_w = _weight_tile(up_rows, w_desc, up_desc_row, k_start, K, BLOCK_K, EVEN_K, TMA)
         if EVEN_K:
+            w = tl.load(w_rows + ks[None, :])
+            up_w = tl.load(up_rows + ks[None, :])
             x = tl.load(x_rows + ks[None, :])
         else:
-            x = tl.load(x_rows + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+            k_mask = ks < K
+            w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+            up_w = tl.load(up_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
         if DOT_FP32:
             w = w.to(tl.float32)
             up_w = up_w.to(tl.float32)
@@ -141,7 +114,6 @@ def _sum_splits_in_order(acc, partial_ptr, tile_offsets, split, num_splits, spli
 def skinny_gemm_tile(
     x_ptr,
     w_ptr,
-    w_desc,
     bias_ptr,
     out_ptr,
     partial_ptr,
@@ -176,7 +148,6 @@ def skinny_gemm_tile(
     PAIRED: tl.constexpr = True,
     LAUNCH_SUCCESSOR: tl.constexpr = True,
     PREFETCH_TILES: tl.constexpr = 0,
-    TMA: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -193,18 +164,10 @@ def skinny_gemm_tile(
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     # Weights are written before the step: the split's first tiles may be read before the wait.
-    # A split's length is a whole number of K steps, so a TMA tile never crosses into the next.
-    desc_row = tile * BLOCK_N
     if PREFETCH_TILES >= 1:
-        if TMA:
-            w_0 = w_desc.load([desc_row, k_begin])
-        else:
-            w_0 = _split_tile(w_rows, k_begin, 0, k_end, BLOCK_K)
+        w_0 = _split_tile(w_rows, k_begin, 0, k_end, BLOCK_K)
     if PREFETCH_TILES >= 2:
-        if TMA:
-            w_1 = w_desc.load([desc_row, k_begin + BLOCK_K])
-        else:
-            w_1 = _split_tile(w_rows, k_begin, 1, k_end, BLOCK_K)
+        w_1 = _split_tile(w_rows, k_begin, 1, k_end, BLOCK_K)
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     if NORMED:
         square_sums = pending_norm.load_square_sums(
@@ -221,46 +184,18 @@ def skinny_gemm_tile(
                 x_rows,
                 w_rows,
                 w_rows + N * stride_w_row,
-                w_desc,
-                desc_row,
-                desc_row + N,
                 k_begin,
                 k_end,
                 K,
                 BLOCK_K,
                 EVEN_K,
                 DOT_FP32,
-                TMA,
             )
         else:
-            acc = _tile_dot(
-                acc,
-                x_rows,
-                w_rows,
-                w_desc,
-                desc_row,
-                k_begin,
-                k_end,
-                K,
-                BLOCK_K,
-                EVEN_K,
-                DOT_FP32,
-                TMA,
-            )
+            acc = _tile_dot(acc, x_rows, w_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
             up_rows = w_rows + N * stride_w_row
             up_acc = _tile_dot(
-                up_acc,
-                x_rows,
-                up_rows,
-                w_desc,
-                desc_row + N,
-                k_begin,
-                k_end,
-                K,
-                BLOCK_K,
-                EVEN_K,
-                DOT_FP32,
-                TMA,
+                up_acc, x_rows, up_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32
             )
     else:
         if PREFETCH_TILES >= 1:
@@ -268,20 +203,7 @@ def skinny_gemm_tile(
         if PREFETCH_TILES >= 2:
             acc = _prefetched_dot(acc, w_1, x_rows, k_begin, 1, k_end, BLOCK_K, DOT_FP32)
         loop_begin = tl.minimum(k_begin + PREFETCH_TILES * BLOCK_K, k_end)
-        acc = _tile_dot(
-            acc,
-            x_rows,
-            w_rows,
-            w_desc,
-            desc_row,
-            loop_begin,
-            k_end,
-            K,
-            BLOCK_K,
-            EVEN_K,
-            DOT_FP32,
-            TMA,
-        )
+        acc = _tile_dot(acc, x_rows, w_rows, loop_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
 
     last = True
     if SPLIT:

@@ -92,8 +92,6 @@ PREFETCHED = [
     (1, 64, 80, LinearConfig("gemv", 2, 32, 1)),
     (2, 80, 96, LinearConfig("skinny", 16, 32, 4, 16, 3, 2)),
     (20, 40, 100, LinearConfig("skinny", 32, 32, 4, 32, 2, 2)),
-    (2, 80, 96, LinearConfig("skinny", 16, 32, 4, 16, 3, 2, tma=True)),
-    (20, 40, 104, LinearConfig("skinny", 32, 32, 4, 32, 2, 2, tma=True)),
 ]
 
 

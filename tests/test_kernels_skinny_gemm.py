@@ -6,7 +6,6 @@ sizes, bias, counters left at zero for the next launch; the tables that pick its
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -18,7 +17,6 @@ from kernels.linear import LinearConfig, linear_ref
 from kernels.linear_configs import parse_table, skinny_config, skinny_rule
 from kernels.linear_fused import linear_silu_and_mul, linear_silu_and_mul_ref
 from kernels.skinny_gemm import block_rows, skinny_gemm, skinny_gemm_with
-from kernels.tma import tma_fits
 
 pytestmark = requires_triton
 
@@ -82,39 +80,6 @@ def test_skinny_gemm_matches_reference(
     what = f"skinny rows={rows} n={n} k={k} tile={block_n}x{block_k} split={split_k} {paired=}"
     check(out, want, what)
     assert _counters_clear(), "a split launch left a tile counter set"
-
-
-@pytest.mark.parametrize(
-    "silu_mul,paired",
-    [(False, False), (True, False), (True, True)],
-    ids=["plain", "silu_mul", "silu_mul_paired"],
-)
-@pytest.mark.parametrize("rows,n,k,block_n,block_k,split_k", CASES)
-def test_tma_weight_tiles_give_the_pointer_loads_result(
-    silu_mul, paired, rows, n, k, block_n, block_k, split_k
-):
-    """Weight tiles through the tensor memory accelerator: the tile past N (or, for the gate,
-    into the up rows) and past K must read as zeros or be masked off, as the pointer loads
-    are."""
-    dtype = torch.bfloat16
-    x, weight = _operands(rows, 2 * n if silu_mul else n, k, dtype, rows + n + k + 5)
-    assert tma_fits(weight)
-    args = (x, weight, None, block_n, block_k, split_k)
-    by_pointers = skinny_gemm(*args, silu_mul=silu_mul, paired=paired)
-    with poisoned():
-        through_tma = skinny_gemm(*args, silu_mul=silu_mul, paired=paired, tma=True)
-    what = f"tma rows={rows} n={n} k={k} tile={block_n}x{block_k} split={split_k} {paired=}"
-    check(through_tma, by_pointers, what)
-    assert _counters_clear(), "a split launch left a tile counter set"
-
-
-def test_tma_falls_back_to_pointers_on_unaligned_rows():
-    dtype = torch.float16
-    x, wide = _operands(3, 40, 36, dtype, 21)
-    weight = wide[:, :32]  # rows 72 bytes apart: no TMA descriptor takes them
-    assert not tma_fits(weight)
-    out = skinny_gemm(x[:, :32].contiguous(), weight, None, 16, 32, 1, tma=True)
-    check(out, _reference(x[:, :32], weight, False), "unaligned weight, tma asked")
 
 
 @pytest.mark.parametrize("split_k", [1, 3])
@@ -197,12 +162,6 @@ def test_table_picks_per_padded_rows_and_shape(monkeypatch, tmp_path):
     assert not skinny_config(2, 2560, 4096).paired  # no field: one loop after the other
     assert skinny_config(8, 19456, 2560) == skinny_rule(8, 19456, 2560)  # not in the table
     assert skinny_config(40, 19456, 2560) is None  # nor that: past 32 rows cuBLAS
-    assert not fused.tma
-    monkeypatch.setenv("PEGAINFER_SKINNY_TMA", "1")
-    assert skinny_config(8, 19456, 2560, silu_mul=True).tma
-    assert skinny_config(24, 2560, 4096) is None  # cuBLAS stays cuBLAS
-    entries[2]["tma"] = True
-    assert parse_table({"entries": entries})[(16, 19456, 2560, True)].tma
     monkeypatch.setenv("PEGAINFER_SKINNY_GEMM", "0")
     assert skinny_config(2, 2560, 4096) is None
 
@@ -224,14 +183,12 @@ REAL = [
 
 
 @gpu_only
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("rows", [2, 8, 24, 32, 64])
 @pytest.mark.parametrize("name,n,k,silu_mul", REAL, ids=[r[0] for r in REAL])
-def test_real_shapes_with_the_picked_tiles_in_a_graph(name, n, k, silu_mul, rows, tma):
+def test_real_shapes_with_the_picked_tiles_in_a_graph(name, n, k, silu_mul, rows):
     """The tile the dispatch picks, captured in a CUDA graph and replayed on fresh inputs
     twice: a counter a replay failed to clear would show in the second."""
     config = skinny_config(rows, n, k, silu_mul) or skinny_rule(rows, n, k, silu_mul)
-    config = dataclasses.replace(config, tma=tma)
     x, weight = _operands(rows, n, k, torch.bfloat16, rows + n)
 
     def run() -> torch.Tensor:

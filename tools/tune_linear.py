@@ -60,7 +60,6 @@ DEFAULT_GRID: dict[str, tuple[int, ...]] = {
     "block_k": (64, 128, 256),
     "stages": (3, 4, 6),
     "split": (1, 2, 3, 4, 6, 8, 16),
-    "tma": (0,),
 }
 
 
@@ -109,16 +108,13 @@ def candidates(
             programs = cdiv(n // parts, block_n) * split_k
             if not 100 <= programs <= 8192 or cdiv(k, block_k) < 2 * split_k:
                 continue
-        for warps, paired, tma in itertools.product(
-            (4, 8) if block_n == 128 else (4,),
-            (False, True) if silu_mul else (False,),
-            grid.get("tma", (0,)),
-        ):
-            found.append(
-                LinearConfig(
-                    "skinny", block_n, block_k, warps, block_m, split_k, stages, paired, bool(tma)
+        for warps in (4, 8) if block_n == 128 else (4,):
+            for paired in (False, True) if silu_mul else (False,):
+                found.append(
+                    LinearConfig(
+                        "skinny", block_n, block_k, warps, block_m, split_k, stages, paired
+                    )
                 )
-            )
     return found
 
 
@@ -246,13 +242,6 @@ def measure_one(
         "best_us": best_us,
         "best": vars(best) if best is not None else None,
         "top5": [(round(us, 2), vars(c)) for us, c in results[:5]],
-        # The best skinny tile reading its weight by pointers and through TMA, for an A/B.
-        "best_by_tma": {
-            str(int(tma)): min(
-                (us for us, c in results if c.kind == "skinny" and c.tma == tma), default=None
-            )
-            for tma in (False, True)
-        },
     }
 
 
@@ -263,7 +252,6 @@ def describe(config: dict[str, Any] | None) -> str:
         f"{config['kind']} m{config['block_m']} n{config['block_n']} k{config['block_k']} "
         f"w{config['num_warps']} s{config['num_stages']} sk{config['split_k']}"
         + (" paired" if config.get("paired") else "")
-        + (" tma" if config.get("tma") else "")
     )
 
 
@@ -285,8 +273,7 @@ def emit_table(records: list[dict[str, Any]], min_gain: float, device: str) -> d
         wins = best is not None and record["best_us"] < record["cublas_us"] * (1 - min_gain)
         if wins and best["kind"] == "skinny":
             entry["kind"] = "skinny"
-            fields = ("block_n", "block_k", "num_warps", "split_k", "num_stages", "paired", "tma")
-            for field in fields:
+            for field in ("block_n", "block_k", "num_warps", "split_k", "num_stages", "paired"):
                 entry[field] = best[field]
         else:
             entry["kind"] = "cublas"
