@@ -227,6 +227,40 @@ def test_cuda_graphs_give_the_same_greedy_tokens(checkpoint, in_flight):
 
 @needs_cuda
 @pytest.mark.gpu
+def test_serving_compiles_no_triton_kernel_after_start_up(checkpoint, monkeypatch):
+    """Decode batches of every size to 20 and contexts past 16 and 32 blocks, prefill chunks
+    of every length: each Triton variant they launch was compiled at start-up. One compiled
+    later stalls the step that launched it (kernels/compile_watch.py)."""
+    from kernels import compile_watch
+    from kernels.backend import load_triton
+
+    config = engine_config(checkpoint, max_num_seqs=20, kv_cache_memory=64 << 20)
+    config.device = "cuda"
+    runner = ModelRunner(config)
+    runtime = load_triton().knobs.runtime
+    hooks = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    monkeypatch.setattr(compile_watch, "_watch", None)
+    requests = [
+        (
+            f"r{i}",
+            [(13 * i + 7 * j) % 500 + 1 for j in range(30 + 3 * i)],
+            SamplingParams(temperature=0.0, max_tokens=10 + (7 * i) % 30),
+        )
+        for i in range(20)
+    ]
+    try:
+        watch = compile_watch.watch_late_compiles("test")
+        assert watch is not None
+        drive(runner, requests, 2, max_num_seqs=20)
+    finally:
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = hooks
+        del runner
+        torch.cuda.empty_cache()
+    assert watch.compiles == [], watch.summary()
+
+
+@needs_cuda
+@pytest.mark.gpu
 def test_cuda_graphs_bfloat16_agree_with_eager(checkpoint):
     """bf16: graphs and eager differ only by rounding (padded GEMM shapes, split-KV
     attention), so tokens agree up to near-ties; the first token (an eager prefill in both)

@@ -20,7 +20,7 @@ def _case(rows: int, num_pending: int, width: int, g: torch.Generator):
     def ints(*shape, high=1000, dtype=torch.int64):
         return torch.randint(0, high, shape, generator=g, dtype=dtype).to(DEVICE)
 
-    capacity, max_blocks = 40, 24
+    capacity, max_blocks = max(40, rows), max(24, width + 5)
     src = (ints(rows), ints(rows), ints(rows), ints(rows, dtype=torch.int32))
     slot_tables = ints(capacity + 1, max_blocks, high=5000, dtype=torch.int32)
     row_slots = ints(rows, high=capacity + 1)
@@ -39,7 +39,10 @@ def _case(rows: int, num_pending: int, width: int, g: torch.Generator):
 
 
 @pytest.mark.parametrize(
-    "rows, num_pending, width", [(1, 1, 1), (8, 5, 3), (13, 0, 24), (40, 40, 9)]
+    "rows, num_pending, width",
+    # The last two take more than one round of the loops' fixed chunks (ROWS_BLOCK,
+    # WIDTH_BLOCK): rows and pending tokens, then block table columns.
+    [(1, 1, 1), (8, 5, 3), (13, 0, 24), (40, 40, 9), (300, 270, 5), (3, 1, 600)],
 )
 def test_loader_matches_reference(rows, num_pending, width):
     src, static, width, rest = _case(rows, num_pending, width, gen(rows + width))
@@ -62,3 +65,29 @@ def test_dispatch_checks_its_arrays():
     load_decode_inputs(dst, src, tables[:, :width], *rest)  # the reference on the CPU
     with pytest.raises(ValueError, match="context lengths"):
         load_decode_inputs(dst[:3], src, tables, *rest)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (real compiles)")
+def test_one_compiled_variant_serves_every_batch_and_width(monkeypatch):
+    """A variant per power of two of the rows or the width compiled inside the step that first
+    needed it (kernels/compile_watch.py names such compiles)."""
+    from kernels import compile_watch
+    from kernels.backend import load_triton
+
+    runtime = load_triton().knobs.runtime
+    hooks = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    monkeypatch.setattr(compile_watch, "_watch", None)
+    shapes = [(1, 1, 1), (40, 3, 17), (300, 270, 600), (7, 0, 129)]
+    src, static, width, rest = _case(*shapes[0], gen(5))
+    dst, tables = static()
+    load_decode_inputs_triton(dst, src, tables[:, :width], *rest)  # compiled here, if at all
+    try:
+        watch = compile_watch.watch_late_compiles("test")
+        for rows, num_pending, width in shapes[1:]:
+            src, static, width, rest = _case(rows, num_pending, width, gen(rows))
+            dst, tables = static()
+            load_decode_inputs_triton(dst, src, tables[:, :width], *rest)
+        torch.cuda.synchronize()
+    finally:
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = hooks
+    assert watch.compiles == []
