@@ -23,6 +23,7 @@ import time
 import zmq
 
 from pegainfer import ipc, lifecycle, multinode, protocol
+from pegainfer.bytecode_cache import BYTECODE_CACHE_ENV, bytecode_cache_for_children
 from pegainfer.config import (
     STAGE_LAUNCHED,
     STAGE_SCHEDULER_READY,
@@ -55,6 +56,17 @@ class ProcessTree:
         # "Launch" is the launcher process's creation, so its own imports count too.
         self.started = time.monotonic() - (seconds_since_process_start() or 0.0)
         self.children: dict[str, subprocess.Popen] = {}
+        self.child_env = dict(os.environ)
+        self.child_env[PARENT_PID_ENV] = str(os.getpid())
+        self.child_env.setdefault("PYTHONUNBUFFERED", "1")
+        bytecode = bytecode_cache_for_children(self.child_env)
+        if bytecode is not None:
+            logger.info(
+                "PYTHONDONTWRITEBYTECODE is set: the processes keep their bytecode in %s "
+                "(%s=0 compiles every import from source instead)",
+                bytecode,
+                BYTECODE_CACHE_ENV,
+            )
         self.ready: dict[str, protocol.ProcessReady] = {}
         self.ctx = zmq.Context()
         self.control = ipc.bind(self.ctx, zmq.PULL, self.run_dir, "launcher")
@@ -70,11 +82,8 @@ class ProcessTree:
     # -- children ---------------------------------------------------------
 
     def spawn(self, name: str, module: str, *args: str) -> None:
-        env = dict(os.environ)
-        env[PARENT_PID_ENV] = str(os.getpid())
-        env.setdefault("PYTHONUNBUFFERED", "1")
         cmd = [sys.executable, "-m", module, "--run-dir", self.run_dir, *args]
-        self.children[name] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        self.children[name] = subprocess.Popen(cmd, env=self.child_env, stdin=subprocess.DEVNULL)
         logger.debug("started %s (pid %d): %s", name, self.children[name].pid, " ".join(cmd))
         write_manifest(self.config, self.children)
 
