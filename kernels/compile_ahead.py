@@ -83,6 +83,8 @@ class CompileAheadReport:
     launches: int = 0  # Triton launches caught
     variants: int = 0  # kernel variants not yet compiled in this process, compiled now
     seconds: float = 0.0  # from entering the block to the last compile's end
+    run_seconds: float = 0.0  # from entering the block to the end of its body (the caught run)
+    last_found: float = 0.0  # from entering the block to the last new variant's submission
     longest: float = 0.0  # seconds of the longest compile, with its launcher
     forking: float = 0.0  # seconds spent in fork(), which holds the GIL
 
@@ -151,12 +153,13 @@ def compile_ahead(threads: int | None = None) -> Iterator[CompileAheadReport]:
     forked_before = _fork_seconds[0]
     try:
         with ThreadPoolExecutor(report.threads, thread_name_prefix="triton-compile") as pool:
-            mode = AsyncCompileMode(_WithLauncher(pool, report))
+            mode = AsyncCompileMode(_WithLauncher(pool, report, started))
             JITFunction.run = caught
             JITFunction._do_compile = filed
             try:
                 with mode:  # its exit waits for every compile and files each kernel
                     yield report
+                    report.run_seconds = time.monotonic() - started
             finally:
                 JITFunction.run = original_run
                 JITFunction._do_compile = original_do_compile
@@ -185,11 +188,13 @@ class _WithLauncher:
     """An executor for Triton's asynchronous mode whose tasks, once a kernel has compiled,
     build its launcher too (into Triton's cache; the first launch loads it from there)."""
 
-    def __init__(self, pool: Executor, report: CompileAheadReport) -> None:
+    def __init__(self, pool: Executor, report: CompileAheadReport, started: float) -> None:
         self.pool = pool
         self.report = report
+        self.started = started  # the block's entry, on the monotonic clock
 
     def submit(self, compile_kernel: Callable[[], Any]) -> Future:
+        self.report.last_found = time.monotonic() - self.started
         return self.pool.submit(self._timed, compile_kernel)
 
     def _timed(self, compile_kernel: Callable[[], Any]) -> Any:
@@ -363,13 +368,16 @@ def compile_for(
             logger.warning("could not note the compile-ahead at %s", marker, exc_info=True)
     logger.info(
         "%s: %d Triton kernel variants compiled ahead from %d launches in %.2f s on %d %s "
-        "(the longest %.2f s; forking %.2f s)",
+        "(the caught run %.2f s, its last new variant at %.2f s; the longest compile %.2f s; "
+        "forking %.2f s)",
         what,
         report.variants,
         report.launches,
         report.seconds,
         report.threads,
         "forked children" if report.forked else "threads",
+        report.run_seconds,
+        report.last_found,
         report.longest,
         report.forking,
     )

@@ -262,7 +262,8 @@ def test_worker_start_up_compiles_nothing_one_at_a_time(tmp_path, monkeypatch, c
 
     from worker_proc.model_runner import ModelRunner
 
-    checkpoint = make_tiny_checkpoint(str(tmp_path), "qwen3", seed=41)
+    # Five layers, so that the pass's forwards run only the representative three of them.
+    checkpoint = make_tiny_checkpoint(str(tmp_path), "qwen3", seed=41, num_hidden_layers=5)
     config = engine_config(
         checkpoint,
         dtype="bfloat16",
@@ -382,3 +383,55 @@ def test_with_several_ranks_every_start_up_runs_its_pass(monkeypatch):
     assert graph_capture.compile_ahead_key("graphs", model, 12) is not None
     monkeypatch.setattr(graph_capture, "get_tp_size", lambda: 2)
     assert graph_capture.compile_ahead_key("graphs", model, 12) is None
+
+
+def test_the_pass_runs_the_first_second_and_last_layers_and_puts_them_back(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from worker_proc.graph_capture import compile_layers
+    from worker_proc.model_runner import ModelRunner
+
+    checkpoint = make_tiny_checkpoint(str(tmp_path), "qwen3", seed=43, num_hidden_layers=5)
+    runner = ModelRunner(engine_config(checkpoint, max_num_seqs=4, max_num_batched_tokens=64))
+    layers = list(runner.model.model.layers)
+    ran = []
+    for index, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda module, args, index=index: ran.append(index))
+    names = [name for name, _ in runner.model.named_parameters()]
+    full = runner.prefill_logits([3, 5, 7])
+    assert ran == [0, 1, 2, 3, 4]
+
+    ran.clear()
+    with compile_layers(runner.model):
+        runner.prefill_logits([3, 5, 7])
+    assert ran == [0, 1, 4]
+    assert list(runner.model.model.layers) == layers
+    assert [name for name, _ in runner.model.named_parameters()] == names
+    ran.clear()
+    torch.testing.assert_close(runner.prefill_logits([3, 5, 7]), full, rtol=0, atol=0)
+    assert ran == [0, 1, 2, 3, 4]
+
+    ran.clear()
+    monkeypatch.setenv("PEGAINFER_COMPILE_LAYERS", "all")
+    with compile_layers(runner.model):
+        runner.prefill_logits([3, 5, 7])
+    assert ran == [0, 1, 2, 3, 4]
+    with compile_layers(torch.nn.Linear(4, 4)):  # a model that names no representative layers
+        pass
+
+
+@pytest.mark.skipif(not compile_ahead.available(), reason="needs Triton's asynchronous mode")
+def test_the_report_times_the_caught_run_and_its_last_new_variant(monkeypatch):
+    import time
+
+    from triton.runtime._async_compile import active_mode
+
+    monkeypatch.setenv("PEGAINFER_COMPILE_FORK", "0")
+    with compile_ahead.compile_ahead(threads=2) as report:
+        time.sleep(0.05)
+        mode = active_mode.get()
+        hooks = [lambda kernel: None]
+        if "cleanup_fn" in inspect.signature(mode.submit).parameters:  # newer Triton
+            hooks.append(lambda future_kernel: None)
+        mode.submit("a kernel", lambda: time.sleep(0.1), *hooks)
+    assert 0.05 <= report.last_found <= report.run_seconds < report.seconds
+    assert report.seconds >= report.last_found + 0.1

@@ -12,7 +12,8 @@ Qwen3 (models/qwen3.py) differs only in its attention and reuses the rest by sub
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -157,6 +158,21 @@ class LlamaModel(nn.Module):
             hidden_states, residual = layer(positions, hidden_states, residual, next_norm)
         # The LM head takes only the rows the runner samples, so the final norm is applied.
         return kernels.as_tensor(hidden_states)
+
+    @contextmanager
+    def representative_layers(self) -> Iterator[None]:
+        """Inside the block the forward runs only the first, second and last layers. Every
+        layer launches the same kernels on tensors of the same shapes; only the first (which
+        norms the embedding itself) and the last (which leaves the final norm pending) differ
+        in the norms around them. The start-up's compile pass runs its forwards so: it needs
+        each kernel variant once, not once a layer (worker_proc/graph_capture.py)."""
+        layers = self.layers
+        if len(layers) > 3:
+            self.layers = nn.ModuleList([layers[0], layers[1], layers[-1]])
+        try:
+            yield
+        finally:
+            self.layers = layers
 
 
 # Checkpoint projections that land in one fused parameter: (fused, checkpoint name, shard).
