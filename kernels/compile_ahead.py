@@ -44,7 +44,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +70,7 @@ _NOT_KERNEL_SETTINGS = frozenset(
         "PEGAINFER_CACHE",
         "PEGAINFER_COMPILE_THREADS",
         "PEGAINFER_COMPILE_FORK",
+        "PEGAINFER_BYTECODE_CACHE",
     }
 )
 
@@ -85,6 +86,8 @@ class CompileAheadReport:
     seconds: float = 0.0  # from entering the block to the last compile's end
     run_seconds: float = 0.0  # from entering the block to the end of its body (the caught run)
     last_found: float = 0.0  # from entering the block to the last new variant's submission
+    # (seconds from entering the block, kernel name) of each new variant, in the order found
+    found: list[tuple[float, str]] = field(default_factory=list)
     longest: float = 0.0  # seconds of the longest compile, with its launcher
     forking: float = 0.0  # seconds spent in fork(), which holds the GIL
 
@@ -142,6 +145,7 @@ def compile_ahead(threads: int | None = None) -> Iterator[CompileAheadReport]:
     def filed(self: Any, key: Any, signature: Any, device: int, *args: Any, **kwargs: Any) -> Any:
         pending = original_do_compile(self, key, signature, device, *args, **kwargs)
         if pending is not None:  # replaced by the compiled kernel when the block ends
+            report.found.append((time.monotonic() - started, self.fn.__name__))
             kernel_cache = self.device_caches[device][0]
             kernel_cache[key] = pending
             filed_kernels.append((kernel_cache, key, pending))
@@ -381,4 +385,15 @@ def compile_for(
         report.longest,
         report.forking,
     )
+    if report.found:
+        logger.debug(
+            "%s: new variants in the order found: %s",
+            what,
+            ", ".join(f"{name} at {seconds:.2f} s" for seconds, name in report.found),
+        )
+        logger.info(
+            "%s: the last new variants found: %s",
+            what,
+            ", ".join(f"{name} at {seconds:.2f} s" for seconds, name in report.found[-3:]),
+        )
     return report

@@ -190,6 +190,8 @@ def test_the_fingerprint_follows_the_model_and_the_settings(monkeypatch):
     # Each launch gives its children another parent pid; a kernel setting changes the key.
     monkeypatch.setenv("PEGAINFER_PARENT_PID", str(os.getpid() + 1))
     assert compile_ahead.fingerprint("graphs", model) == key
+    monkeypatch.setenv("PEGAINFER_BYTECODE_CACHE", "0")  # picks no kernel either
+    assert compile_ahead.fingerprint("graphs", model) == key
     monkeypatch.setenv("PEGAINFER_PDL", "0")
     assert compile_ahead.fingerprint("graphs", model) != key
 
@@ -290,6 +292,7 @@ def test_worker_start_up_compiles_nothing_one_at_a_time(tmp_path, monkeypatch, c
     assert runner.graphs is not None and runner.prefill_graphs is not None
     assert ahead, "nothing was compiled ahead"
     assert "profile run and graph capture: " in caplog.text  # one pass over both
+    assert "profile run and graph capture: the last new variants found: " in caplog.text
     assert one_at_a_time == [], f"compiled during the real runs: {sorted(set(one_at_a_time))}"
     # Serving greedy and sampled requests launches nothing new either.
     requests = [

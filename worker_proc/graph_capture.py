@@ -148,14 +148,15 @@ def compile_graph_kernels(
     block count (only on its strides, which do not depend on it)."""
 
     def dry_run() -> None:
+        # The sampler's argmax over float32 rows, which no graph takes. First: the pass ends
+        # when the last variant found has compiled, so each is best found early.
+        kernels.argmax_rows(torch.empty((1, vocab_size), dtype=torch.float32, device=device))
         with compile_layers(model):
             if profile_run is not None:
                 profile_run()
             capture_graphs(
                 model, config, vocab_size, max_blocks_per_seq, dtype, device, CompileOnlyBackend()
             )
-        # The sampler's argmax over float32 rows, which no graph takes.
-        kernels.argmax_rows(torch.empty((1, vocab_size), dtype=torch.float32, device=device))
 
     what = "graph capture" if profile_run is None else "profile run and graph capture"
     key = compile_ahead_key(
