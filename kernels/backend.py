@@ -31,7 +31,6 @@ _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 logger = logging.getLogger(__name__)
 
 _pending: list[Callable[..., Any]] = []
-_bound: list[Any] = []  # every kernel bound so far, as its triton.jit function
 _lock = threading.Lock()
 _triton: ModuleType | None = None
 
@@ -85,7 +84,6 @@ def _bind(fn: Callable[..., Any]) -> Any:
     scope["tl"] = _triton.language
     jitted = _triton.jit(fn, do_not_specialize=getattr(fn, "__pegainfer_do_not_specialize__", None))
     scope[fn.__name__] = jitted
-    _bound.append(jitted)
     return jitted
 
 
@@ -104,12 +102,11 @@ def load_triton() -> ModuleType:
         return _triton
 
 
-def warm_up_triton(device_index: int | None = None) -> None:
+def warm_up_triton() -> None:
     """Pay, ahead of the first launch, what it would: Triton's import, the kernels' binding
-    and Triton's cache key (a hash of its own sources and library, some 0.4 s); with a GPU's
-    ``device_index``, also what the first launch on it pays (``_warm_up_launches``). Safe to
-    run in a background thread (the worker runs it while the weights load); the hash
-    releases the GIL."""
+    and Triton's cache key (a hash of its own sources and library, some 0.4 s). Safe to run
+    in a background thread (the worker runs it while the weights load); the hash releases
+    the GIL."""
     try:
         if not _triton_available():
             return
@@ -119,28 +116,8 @@ def warm_up_triton(device_index: int | None = None) -> None:
         except ImportError:  # where another Triton version keeps it
             from triton.compiler.compiler import triton_key
         triton_key()
-        if device_index is not None:
-            _warm_up_launches(device_index)
     except Exception:  # only a warm-up: the first launch reports a real failure
         logger.warning("Triton warm-up failed", exc_info=True)
-
-
-def _warm_up_launches(device_index: int) -> None:
-    """The first launch in a process sets up Triton's driver, whose C helpers build with the
-    system compiler when Triton's cache is empty, and its compiler backend, whose hash runs
-    ptxas for its version; each kernel's first launch on a device builds its argument binder
-    and hashes its source with the functions it calls. On an H200 with an empty cache the
-    start-up's compile pass met its first kernel 0.33-0.51 s after it began."""
-    from triton.compiler import make_backend
-    from triton.runtime.driver import driver
-
-    torch.cuda.set_device(device_index)  # this thread's, for the driver's current target
-    make_backend(driver.active.get_current_target()).hash()
-    for kernel in list(_bound):
-        binders = getattr(kernel, "device_caches", None)
-        if binders is not None:
-            binders[device_index]  # noqa: B018 (a defaultdict: builds the binder)
-        kernel.cache_key  # noqa: B018 (a property that hashes once)
 
 
 def dot_needs_fp32(dtype: torch.dtype) -> bool:

@@ -98,9 +98,7 @@ class ModelRunner:
         # the CPU waiting on reads and copies: let the two overlap.
         triton_warm_up = None
         if self.device.type == "cuda":
-            triton_warm_up = threading.Thread(
-                target=warm_up_triton, args=(self.device.index,), name="triton-warm-up"
-            )
+            triton_warm_up = threading.Thread(target=warm_up_triton, name="triton-warm-up")
             triton_warm_up.start()
         with torch.inference_mode():
             self.model = load_model(
