@@ -14,11 +14,15 @@ the first start writes each module's bytecode there, later starts read it, and t
 trees stay free of ``.pyc`` files, which is what the setting is for. Python checks each file
 against its source, so an upgraded package is recompiled once. A ``PYTHONPYCACHEPREFIX``
 already set is kept as it is, and ``PEGAINFER_BYTECODE_CACHE=0`` leaves the environment alone.
+At the first start, which finds the cache unfilled, ``start_filling`` compiles the workers'
+imports into it in parallel beside the processes (pegainfer/bytecode_warm.py).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 from pegainfer.default_model import default_cache_dir
 
@@ -42,3 +46,53 @@ def bytecode_cache_for_children(env: dict[str, str]) -> str | None:
     env["PYTHONPYCACHEPREFIX"] = directory
     del env["PYTHONDONTWRITEBYTECODE"]
     return directory
+
+
+# Processes that fill the cache ahead: at most this many, and only where they leave this many
+# CPUs to the tree's own processes, which import at the same time.
+FILL_PROCESSES = 8
+CPUS_KEPT = 4
+FILL_ENV = "PEGAINFER_BYTECODE_FILL"
+
+
+def start_filling(
+    directory: str, env: dict[str, str], cpus: int | None = None
+) -> tuple[subprocess.Popen, int] | None:
+    """At a first start (``directory`` not yet filled for this interpreter), start filling it
+    on a process of its own (pegainfer/bytecode_warm.py); returns it and the processes it
+    compiles on, or None where it is filled already or the CPUs are too few to spare.
+    ``PEGAINFER_BYTECODE_FILL`` sets the processes (0: none)."""
+    from pegainfer.bytecode_warm import marker
+
+    if os.path.exists(marker(directory)):
+        return None
+    setting = env.get(FILL_ENV, "")
+    if setting:
+        processes = int(setting)  # 0: no filling ahead
+    else:
+        if cpus is None:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        processes = min(FILL_PROCESSES, cpus - CPUS_KEPT)
+        if processes < 2:  # one process beside the tree's would hardly run ahead of them
+            return None
+    if processes < 1:
+        return None
+    command = [sys.executable, "-m", "pegainfer.bytecode_warm", directory, str(processes)]
+    try:
+        filler = subprocess.Popen(
+            command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+        )
+    except OSError:
+        return None
+    return filler, processes
+
+
+def filled_note(directory: str) -> str:
+    """What the filler of ``directory`` left in its marker (how many files, how long)."""
+    from pegainfer.bytecode_warm import marker
+
+    try:
+        with open(marker(directory)) as note:
+            return note.read().strip()
+    except OSError:
+        return "not filled"

@@ -23,7 +23,12 @@ import time
 import zmq
 
 from pegainfer import ipc, lifecycle, multinode, protocol
-from pegainfer.bytecode_cache import BYTECODE_CACHE_ENV, bytecode_cache_for_children
+from pegainfer.bytecode_cache import (
+    BYTECODE_CACHE_ENV,
+    bytecode_cache_for_children,
+    filled_note,
+    start_filling,
+)
 from pegainfer.config import (
     STAGE_LAUNCHED,
     STAGE_SCHEDULER_READY,
@@ -60,6 +65,8 @@ class ProcessTree:
         self.child_env[PARENT_PID_ENV] = str(os.getpid())
         self.child_env.setdefault("PYTHONUNBUFFERED", "1")
         bytecode = bytecode_cache_for_children(self.child_env)
+        # A first start fills the cache beside the processes (pegainfer/bytecode_warm.py).
+        self.bytecode_filler: subprocess.Popen | None = None
         if bytecode is not None:
             logger.info(
                 "PYTHONDONTWRITEBYTECODE is set: the processes keep their bytecode in %s "
@@ -67,6 +74,15 @@ class ProcessTree:
                 bytecode,
                 BYTECODE_CACHE_ENV,
             )
+            filling = start_filling(bytecode, self.child_env)
+            if filling is not None:
+                self.bytecode_filler, processes = filling
+                logger.info(
+                    "first start with that cache: filling it with the workers' imports on %d "
+                    "processes (pid %d)",
+                    processes,
+                    self.bytecode_filler.pid,
+                )
         self.ready: dict[str, protocol.ProcessReady] = {}
         self.ctx = zmq.Context()
         self.control = ipc.bind(self.ctx, zmq.PULL, self.run_dir, "launcher")
@@ -134,6 +150,8 @@ class ProcessTree:
 
             self.link.close(self.failure or STOPPED)
         alive = [p for p in self.children.values() if p.poll() is None]
+        if self.bytecode_filler is not None and self.bytecode_filler.poll() is None:
+            alive.append(self.bytecode_filler)  # it keeps nothing: stopped with the rest
         for proc in alive:
             _signal(proc, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
@@ -175,6 +193,16 @@ class ProcessTree:
         config.start_stage = STAGE_SCHEDULER_READY
         config.save(self.run_dir)
         self.wait_ready(["frontend"])
+        if self.bytecode_filler is not None:
+            code = self.bytecode_filler.poll()
+            if code is None:
+                logger.info("bytecode cache: still filling")
+            elif code == 0:
+                logger.info(
+                    "bytecode cache: %s", filled_note(self.child_env["PYTHONPYCACHEPREFIX"])
+                )
+            else:
+                logger.warning("bytecode cache: its filler %s", _describe_exit(code))
         logger.info(
             "serving %s on http://%s:%d/v1 (ready in %.1f s; run dir %s)",
             config.served_model_name,

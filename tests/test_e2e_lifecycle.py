@@ -126,3 +126,42 @@ def test_frontend_serves_only_once_the_tree_is_up(tiny_qwen3_dir, tmp_path):
     finally:
         assert server.stop() == 0
     assert server.leftovers() == []
+
+
+def test_a_first_start_fills_the_bytecode_cache_beside_the_tree_and_leaves_nothing(
+    tiny_qwen3_dir, tmp_path
+):
+    """Where bytecode may not be written, the first start fills pegainfer's bytecode cache on
+    processes beside the tree's (two here, by the setting), stops them with the tree, and a
+    start after a finished filling runs none."""
+    from pegainfer.bytecode_warm import marker
+
+    cache = tmp_path / "cache"
+    env = {
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PEGAINFER_CACHE": str(cache),
+        "PEGAINFER_BYTECODE_FILL": "2",
+    }
+    args = ("--model-path", tiny_qwen3_dir, "--kv-cache-memory", "64MiB", "--max-model-len", "512")
+    server = Server(*args, log_path=str(tmp_path / "first.log"), env=env).wait_ready()
+    try:
+        log = server.log()
+        found = re.search(r"filling it with the workers' imports on 2 processes \(pid (\d+)\)", log)
+        assert found, log[-3000:]
+        assert "bytecode cache: " in log
+        done = marker(str(cache / "bytecode"))
+        deadline = time.monotonic() + 120
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert os.path.exists(done)
+    finally:
+        assert server.stop() == 0
+    assert server.leftovers() == []
+
+    again = Server(*args, log_path=str(tmp_path / "again.log"), env=env).wait_ready()
+    try:
+        log = again.log()
+        assert "keep their bytecode in" in log and "filling it" not in log, log[-3000:]
+    finally:
+        assert again.stop() == 0
+    assert again.leftovers() == []
