@@ -44,7 +44,8 @@ def group_tiles_now() -> int:
 @dataclass(frozen=True)
 class LinearConfig:
     """One launch shape. ``kind`` is "gemv" (``block_m`` rows per program, any power of
-    two) or "skinny" (kernels/skinny_gemm.py: all rows, up to 64, in one tile; ``split_k``
+    two; ``num_stages`` weight tiles its K loop keeps in flight through shared memory, 1 for
+    none) or "skinny" (kernels/skinny_gemm.py: all rows, up to 64, in one tile; ``split_k``
     programs over K; ``paired``: the gate/up projection with silu-and-mul reads its gate and
     up rows in one K loop instead of one loop after the other)."""
 
@@ -105,6 +106,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     PREFETCH_TILES: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
 ):
@@ -143,7 +145,10 @@ def _gemv_kernel(
         acc += _weight_tile(x_rows, 0, K, BLOCK_K).to(tl.float32) * w_0.to(tl.float32)
     if PREFETCH_TILES >= 2:
         acc += _weight_tile(x_rows, 1, K, BLOCK_K).to(tl.float32) * w_1.to(tl.float32)
-    for k_start in range(PREFETCH_TILES * BLOCK_K, K, BLOCK_K):
+    # With LOOP_STAGES > 1 Triton copies the next tiles into shared memory asynchronously
+    # while this one is summed: more bytes in flight a program without holding them in
+    # registers (it pipelines loads that feed no tl.dot only when the loop asks for stages).
+    for k_start in tl.range(PREFETCH_TILES * BLOCK_K, K, BLOCK_K, num_stages=LOOP_STAGES):
         ks = k_start + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_rows + ks[None, :])
@@ -272,6 +277,7 @@ def _gemv(
         BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0,
         PREFETCH_TILES=prefetch_tiles,
+        LOOP_STAGES=config.num_stages,
         USE_PDL=with_pdl,
         LAUNCH_SUCCESSOR=pdl.launch_successor(
             with_pdl, "gemv_add" if residual is not None else "gemv"

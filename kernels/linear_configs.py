@@ -5,7 +5,9 @@ H200 (bf16), timed inside a CUDA graph with the weights cycled so that none is s
 L2; it beats cuBLAS on every Qwen3-4B projection. ``PEGAINFER_LINEAR_TILES`` replaces the
 one-row tile of given shapes, so that a tile ``tune_linear`` found can be tried in a whole
 decode step before it becomes a rule here: ``"N,K=block_n,block_k,num_warps[,num_stages];..."``,
-e.g. ``"2560,4096=4,2048,8"``.
+e.g. ``"2560,4096=4,2048,8"``; ``num_stages`` is the weight tiles the K loop keeps in flight
+(1, no pipelining, when left out). ``PEGAINFER_GEMV_STAGES`` sets that depth for every
+one-row shape the overrides do not name.
 
 2-64 rows take the skinny GEMM (kernels/skinny_gemm.py) or cuBLAS, per shape, from a table
 that ``tune_linear --emit-table`` writes for one kind of GPU: ``linear_tables/<GPU name>.json``
@@ -36,6 +38,11 @@ TABLE_DIR = Path(__file__).with_name("linear_tables")
 _TARGET_PROGRAMS = 264
 
 
+# Weight tiles the one-row GEMV's K loop keeps in flight (kernels/linear.py): 1, none; each
+# program then has one tile in flight, and its next load waits for the sum of this one.
+GEMV_STAGES = 1
+
+
 @functools.cache
 def gemv_tile_overrides(spec: str) -> dict[tuple[int, int], LinearConfig]:
     """Parse a ``PEGAINFER_LINEAR_TILES`` value (see the module docstring)."""
@@ -53,7 +60,7 @@ def gemv_tile_overrides(spec: str) -> dict[tuple[int, int], LinearConfig]:
                 f"[,num_stages] ({exc})"
             ) from None
         overrides[(n, k)] = LinearConfig(
-            "gemv", block_n, block_k, warps, num_stages=stages[0] if stages else 3
+            "gemv", block_n, block_k, warps, num_stages=stages[0] if stages else 1
         )
     return overrides
 
@@ -73,7 +80,8 @@ def gemv_config(n: int, k: int) -> LinearConfig:
     # 2,560 programs; 2.56 / 2.84 with o so too; 3.01 / 3.29 with down at (4, 1024, 4 warps);
     # 2.42 / 2.71 with o so (H200, bench_latency, two alternated rounds).
     block_n = 2 if block_k == 1024 or n <= 8192 else 4
-    return LinearConfig("gemv", block_n, block_k, 4 if block_k >= 1024 else 2)
+    stages = int(os.environ.get("PEGAINFER_GEMV_STAGES", GEMV_STAGES))
+    return LinearConfig("gemv", block_n, block_k, 4 if block_k >= 1024 else 2, num_stages=stages)
 
 
 def skinny_rule(num_rows: int, n: int, k: int, silu_mul: bool = False) -> LinearConfig:

@@ -47,13 +47,14 @@ def _row_dot_pair(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     """``BLOCK_N`` float32 dot products of one activation row with the gate rows and with
     the up rows, both in one K loop; the caller rounds them to the activation dtype, as a
     stored projection output would be."""
     gate_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
+    for k_start in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         ks = k_start + tl.arange(0, BLOCK_K)
         if EVEN_K:
             gate_w = tl.load(gate_rows + ks[None, :])
@@ -86,6 +87,7 @@ def _gemv_silu_and_mul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
 ):
@@ -100,7 +102,7 @@ def _gemv_silu_and_mul_kernel(
         square_sums = pending_norm.load_square_sums(
             in_sums_ptr, row, row < 1, num_in_groups, num_in_groups, IN_GROUPS
         )
-    gate, up = _row_dot_pair(x_ptr, gate_rows, up_rows, K, BLOCK_N, BLOCK_K, EVEN_K)
+    gate, up = _row_dot_pair(x_ptr, gate_rows, up_rows, K, BLOCK_N, BLOCK_K, EVEN_K, LOOP_STAGES)
     if NORMED:
         inv_rms = tl.sum(pending_norm.inverse_rms(square_sums, K, eps))
         gate *= inv_rms
@@ -171,6 +173,7 @@ def linear_silu_and_mul_triton(x: torch.Tensor | PendingNorm, weight: torch.Tens
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
+        LOOP_STAGES=num_stages,
         USE_PDL=with_pdl,
         LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "gemv_silu"),
         num_warps=num_warps,

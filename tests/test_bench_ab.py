@@ -72,6 +72,10 @@ def test_bad_variants_and_results_are_refused(tmp_path):
     assert parse_variant("late:PEGAINFER_LATE_LAUNCH=skinny_add,rotary,X=1") == Variant(
         "late", {"PEGAINFER_LATE_LAUNCH": "skinny_add,rotary", "X": "1"}
     )
+    # and so may "=": no variable name before it (a shape, here) continues the value too.
+    assert parse_variant("t:PEGAINFER_LINEAR_TILES=2560,9728=4,512,4,4;2560,4096=2,512,4,X=1") == (
+        Variant("t", {"PEGAINFER_LINEAR_TILES": "2560,9728=4,512,4,4;2560,4096=2,512,4", "X": "1"})
+    )
     for spec in ("nocolon", ":X=1", "a:X", "a/b:X=1", "a:X,Y=1"):
         with pytest.raises(ValueError, match="variant"):
             parse_variant(spec)

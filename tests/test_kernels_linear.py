@@ -17,11 +17,13 @@ pytestmark = requires_triton
 
 DTYPES = [torch.bfloat16, torch.float16]
 
+# num_stages > 1: the K loop pipelined through shared memory; 1: one tile in flight.
 GEMV = [
-    LinearConfig("gemv", block_n=4, block_k=64, num_warps=2),
-    LinearConfig("gemv", block_n=1, block_k=128, num_warps=1),
+    LinearConfig("gemv", block_n=4, block_k=64, num_warps=2, num_stages=1),
+    LinearConfig("gemv", block_n=1, block_k=128, num_warps=1, num_stages=3),
+    LinearConfig("gemv", block_n=2, block_k=32, num_warps=2, num_stages=4),
     LinearConfig("gemv", block_n=2, block_k=64, num_warps=2, block_m=2),
-    LinearConfig("gemv", block_n=4, block_k=32, num_warps=4, block_m=8),
+    LinearConfig("gemv", block_n=4, block_k=32, num_warps=4, block_m=8, num_stages=1),
 ]
 SKINNY = [
     LinearConfig("skinny", block_n=32, block_k=32, num_warps=4),
@@ -43,7 +45,9 @@ def _inputs(rows: int, n: int, k: int, dtype: torch.dtype, offset: int, bias: bo
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "config", GEMV + SKINNY, ids=lambda c: f"{c.kind}-m{c.block_m}-n{c.block_n}-s{c.split_k}"
+    "config",
+    GEMV + SKINNY,
+    ids=lambda c: f"{c.kind}-m{c.block_m}-n{c.block_n}-k{c.block_k}-s{c.split_k}-p{c.num_stages}",
 )
 @pytest.mark.parametrize("rows,n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
@@ -100,11 +104,15 @@ def test_one_row_tiles_can_be_overridden_from_the_environment(monkeypatch):
     from kernels.linear_configs import gemv_tile_overrides
 
     monkeypatch.setenv("PEGAINFER_LINEAR_TILES", "48,64=8,32,2; 16,64=2,64,4,2")
-    assert pick_config(1, 48, 64) == LinearConfig("gemv", 8, 32, 2)
+    assert pick_config(1, 48, 64) == LinearConfig("gemv", 8, 32, 2, num_stages=1)
     assert pick_config(1, 16, 64) == LinearConfig("gemv", 2, 64, 4, num_stages=2)
-    assert pick_config(1, 48, 128) == LinearConfig("gemv", 2, 512, 2)  # other shapes: the rules
-    assert pick_config(1, 19456, 2560) == LinearConfig("gemv", 4, 512, 2)  # wide: 4 features
-    assert pick_config(1, 2560, 4096) == LinearConfig("gemv", 2, 1024, 4)
+    # other shapes: the rules
+    assert pick_config(1, 48, 128) == LinearConfig("gemv", 2, 512, 2, num_stages=1)
+    assert pick_config(1, 19456, 2560) == LinearConfig("gemv", 4, 512, 2, num_stages=1)
+    assert pick_config(1, 2560, 4096) == LinearConfig("gemv", 2, 1024, 4, num_stages=1)
+    monkeypatch.setenv("PEGAINFER_GEMV_STAGES", "3")
+    assert pick_config(1, 2560, 4096) == LinearConfig("gemv", 2, 1024, 4, num_stages=3)
+    assert pick_config(1, 48, 64) == LinearConfig("gemv", 8, 32, 2, num_stages=1)  # named
     assert pick_config(2, 48, 64).kind == "skinny"  # and other row counts
     x, weight, _ = _inputs(1, 48, 64, torch.bfloat16, 5, False)
     with poisoned():

@@ -45,8 +45,9 @@ def parse_variant(spec: str) -> Variant:
     last_var = None
     for item in filter(None, (part.strip() for part in assignments.split(","))):
         var, eq, value = item.partition("=")
-        if not eq and last_var is not None:
-            # A comma inside a value (PEGAINFER_LATE_LAUNCH=skinny_add,rotary): no "=" after it.
+        if (not eq or not var.isidentifier()) and last_var is not None:
+            # A comma inside a value (PEGAINFER_LATE_LAUNCH=skinny_add,rotary, or
+            # PEGAINFER_LINEAR_TILES=2560,9728=4,512,4): no variable name before the next "=".
             env[last_var] += "," + item
             continue
         if not eq or not var:

@@ -60,7 +60,14 @@ DEFAULT_GRID: dict[str, tuple[int, ...]] = {
     "block_k": (64, 128, 256),
     "stages": (3, 4, 6),
     "split": (1, 2, 3, 4, 6, 8, 16),
+    # The one-row GEMV's tiles; ``gemv_stages`` is its K loop's pipeline depth (1: none).
+    "gemv_block_n": (1, 2, 4, 8, 16),
+    "gemv_block_k": (128, 256, 512, 1024, 2048, 4096),
+    "gemv_warps": (2, 4, 8),
+    "gemv_stages": (1,),
 }
+# Shared memory a pipelined one-row GEMV program may take for its stages.
+_MAX_GEMV_STAGE_BYTES = 64 << 10
 
 
 def parse_grid(spec: str) -> dict[str, tuple[int, ...]]:
@@ -88,15 +95,16 @@ def candidates(
     from kernels.skinny_gemm import block_rows
 
     found = []
+    grid = grid or DEFAULT_GRID
     if rows == 1:
-        for block_n, block_k, warps in itertools.product(
-            (1, 2, 4, 8, 16), (128, 256, 512, 1024, 2048, 4096), (2, 4, 8)
+        for block_n, block_k, warps, stages in itertools.product(
+            grid["gemv_block_n"], grid["gemv_block_k"], grid["gemv_warps"], grid["gemv_stages"]
         ):
             fits = block_n * block_k <= 4096 * warps and block_k >= 32 * warps
-            if fits and block_k < 2 * k:
-                found.append(LinearConfig("gemv", block_n, block_k, warps))
+            staged = (stages - 1) * (block_n + 1) * block_k * 2 <= _MAX_GEMV_STAGE_BYTES
+            if fits and staged and block_k < 2 * k:
+                found.append(LinearConfig("gemv", block_n, block_k, warps, num_stages=stages))
         return found
-    grid = grid or DEFAULT_GRID
     block_m = block_rows(rows)
     parts = 2 if silu_mul else 1
     for block_n, block_k, stages, split_k in itertools.product(
