@@ -37,6 +37,10 @@ tl = None  # bound to triton.language by kernels.backend.load_triton()
 GROUP_TILES = 32
 
 
+# CUDA's limit on a grid's second dimension, which holds the GEMV's feature tiles.
+MAX_FEATURE_TILES = 65_535
+
+
 def group_tiles_now() -> int:
     return int(os.environ.get("PEGAINFER_NORM_GROUP_TILES", GROUP_TILES))
 
@@ -238,6 +242,11 @@ def _gemv(
     if num_rows == 0:
         return out, None, None
     grid = (cdiv(num_rows, config.block_m), cdiv(n, config.block_n))
+    if grid[1] > MAX_FEATURE_TILES:
+        raise ValueError(
+            f"{n} output features in tiles of {config.block_n} make {grid[1]} programs, over "
+            f"CUDA's {MAX_FEATURE_TILES} in a grid's second dimension: take a wider tile"
+        )
     out_sums = tile_sums = counters = weighted = None
     group_tiles = group_tiles_now()
     if residual is not None:

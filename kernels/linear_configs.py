@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels.backend import cdiv
-from kernels.linear import LinearConfig
+from kernels.linear import MAX_FEATURE_TILES, LinearConfig
 from kernels.skinny_gemm import MAX_ROWS, block_rows
 
 MAX_TRITON_ROWS = MAX_ROWS
@@ -40,6 +40,12 @@ _TARGET_PROGRAMS = 264
 
 # Weight tiles the one-row GEMV's K loop keeps in flight (kernels/linear.py): 1, none; each
 # program then has one tile in flight, and its next load waits for the sum of this one.
+# Pipelined tiles win alone and lose in whole steps. On an H200 (Qwen3-4B, tune_linear, weights
+# out of L2) down at (4, 512, 4 warps, 4 stages) took 13.1 us against 15.3 for the rule's tile,
+# o 6.8 against 7.5; in batch-1 steps (bench_latency, alternated) down so took a step at context
+# 128 from 2.42 to 3.05-3.08 ms, the qkv projection after it then taking 25.5 us a layer against
+# 9.1 (profiled; 3.21 ms with PDL off, so not PDL's overlap); o so 2.43, qkv at (8, 256, 2, 4)
+# 2.57; every one-row GEMV at 2 / 3 stages 2.59 / 2.71.
 GEMV_STAGES = 1
 
 
@@ -80,6 +86,8 @@ def gemv_config(n: int, k: int) -> LinearConfig:
     # 2,560 programs; 2.56 / 2.84 with o so too; 3.01 / 3.29 with down at (4, 1024, 4 warps);
     # 2.42 / 2.71 with o so (H200, bench_latency, two alternated rounds).
     block_n = 2 if block_k == 1024 or n <= 8192 else 4
+    while cdiv(n, block_n) > MAX_FEATURE_TILES:  # vocabularies past 262,140 rows
+        block_n *= 2
     stages = int(os.environ.get("PEGAINFER_GEMV_STAGES", GEMV_STAGES))
     return LinearConfig("gemv", block_n, block_k, 4 if block_k >= 1024 else 2, num_stages=stages)
 

@@ -120,3 +120,16 @@ def test_one_row_tiles_can_be_overridden_from_the_environment(monkeypatch):
     check(out, linear_ref(x.float(), weight.float()).to(torch.bfloat16), "overridden tile")
     with pytest.raises(ValueError, match="PEGAINFER_LINEAR_TILES entry"):
         gemv_tile_overrides("48,64=8,32")
+
+
+def test_one_row_tiles_stay_within_the_grid_limit():
+    from kernels.backend import cdiv
+    from kernels.linear import MAX_FEATURE_TILES
+
+    for vocab in (151_936, 262_144, 1_000_000):
+        config = pick_config(1, vocab, 2560)
+        assert cdiv(vocab, config.block_n) <= MAX_FEATURE_TILES, (vocab, config)
+    x, _, _ = _inputs(1, 8, 16, torch.bfloat16, 3, False)
+    weight = torch.zeros(MAX_FEATURE_TILES + 1, 16, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="grid's second dimension"):
+        linear_triton(x, weight, None, LinearConfig("gemv", 1, 16, 1))

@@ -91,7 +91,7 @@ def candidates(
     """Tiles to time: the GEMV's at one row, the skinny GEMM's from two (for an ``N x K``
     weight, those that fit shared memory and give a sensible number of programs)."""
     from kernels.backend import cdiv
-    from kernels.linear import LinearConfig
+    from kernels.linear import MAX_FEATURE_TILES, LinearConfig
     from kernels.skinny_gemm import block_rows
 
     found = []
@@ -102,7 +102,8 @@ def candidates(
         ):
             fits = block_n * block_k <= 4096 * warps and block_k >= 32 * warps
             staged = (stages - 1) * (block_n + 1) * block_k * 2 <= _MAX_GEMV_STAGE_BYTES
-            if fits and staged and block_k < 2 * k:
+            within_grid = not n or cdiv(n, block_n) <= MAX_FEATURE_TILES
+            if fits and staged and within_grid and block_k < 2 * k:
                 found.append(LinearConfig("gemv", block_n, block_k, warps, num_stages=stages))
         return found
     block_m = block_rows(rows)
