@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,11 @@ import urllib.request
 
 import psutil
 
+from tools.bench_launch import free_port
+
+__all__ = ["READY_TIMEOUT", "Server", "free_port"]
+
 READY_TIMEOUT = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -327,3 +327,18 @@ def test_bench_serving_stops_at_its_time_limit(micro_server, tmp_path, capsys):
     assert summary["completed"] + summary["failed"] < 20
     assert summary["failed"] >= 1 and "time limit reached" in summary["errors"]
     assert summary["duration_s"] < 5
+
+
+def test_free_ports_come_from_below_the_ephemeral_range():
+    import socket
+
+    from tools.bench_launch import ephemeral_port_range, free_port
+
+    low, _ = ephemeral_port_range()
+    for count in (1, 4):
+        base = free_port(count)
+        if low > 10_000 + count:
+            assert 10_000 <= base and base + count <= low
+        for port in range(base, base + count):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from tests.server_util import Server
+from tests.server_util import Server, free_port
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -232,20 +231,7 @@ def test_killed_rank_brings_the_tree_down(tiny_qwen3_dir, tmp_path):
 
 def _free_port_range(count: int) -> int:
     """A base port with ``count`` consecutive free ports on 127.0.0.1."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
+    return free_port(count)
 
 
 def _start_two_nodes(model_dir: str, tmp_path) -> tuple[Server, Server]:

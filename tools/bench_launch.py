@@ -8,6 +8,7 @@ measures the working tree it runs from, installed or not. HTTP binds 127.0.0.1 o
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,10 +26,42 @@ import psutil
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands out to ``connect`` and to binds of port 0."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _ports_free(base: int, count: int) -> bool:
+    try:
+        for port in range(base, base + count):
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
+
+
+def free_port(count: int = 1) -> int:
+    """A base port with ``count`` consecutive ports free on 127.0.0.1, taken below the
+    kernel's ephemeral range: a port found free there by binding port 0 can be handed to
+    another socket (a tensor-parallel group's connections, say) before the server binds it."""
+    low, _ = ephemeral_port_range()
+    picker = random.Random()
+    for _ in range(200):
+        if low > 10_000 + count:
+            base = picker.randrange(10_000, low - count)
+        else:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                base = probe.getsockname()[1]
+        if base + count <= 65_536 and _ports_free(base, count):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
 
 
 @dataclass
