@@ -39,7 +39,10 @@ compiled offline for sm_90a by Triton 3.6).
 The skinny GEMM of 2-64 rows reading one or two weight tiles before the wait was 0.1-0.5 us
 slower a projection than reading none alone (``tools/tune_linear``, nothing to overlap).
 Extra programs of decode attention's grid prefetching the o projection's weight into L2 (no
-wait, no fork) made batch-1 decode 2.64-2.69 ms a step against 2.60 (tools/README.md).
+wait, no fork) made batch-1 decode 2.64-2.69 ms a step against 2.60 (tools/README.md); the
+same with sm_90's bulk prefetch (``cp.async.bulk.prefetch.L2``, one instruction a range,
+nothing to wait for), issued by attention's own programs, 2.48 against 2.41 ms: attention's
+K/V loads queued behind the prefetches, and o gained 0.3 us a layer.
 Other late launchers than the default were measured in whole steps and none gained (decode
 attention, rotary, the one-row GEMVs), nor did the late-launching skinny GEMM letting its
 successor launch after its K loop rather than at its end (3% slower at 8-32 rows).
