@@ -25,6 +25,9 @@ batch-1 decode slower on an H200 (2.57 against 2.55 ms a step at context 128).
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 from kernels import attention_merge, pdl
@@ -44,7 +47,10 @@ tl = None  # bound to triton.language by kernels.backend.load_triton()
 LOG2_E = 1.4426950408889634
 # A split covers at least this many tokens. Short splits keep a program's chain of
 # dependent K/V loads short, and the merge inside the kernel costs little: on an H200 (Qwen3-4B
-# heads, one sequence) 64 against 256 took 1k-token decode from 9.6 to 7.2 us a layer.
+# heads, one sequence) 64 against 256 took 1k-token decode from 9.6 to 7.2 us a layer, and
+# whole batch-1 steps from 2.49 / 2.63 / 2.72 to 2.40 / 2.48 / 2.68 ms at context 128 / 1k /
+# 4k (alternated; one split up to 256 tokens is slower than two merged).
+# ``PEGAINFER_DECODE_MIN_SPLIT`` replaces it.
 MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 32
 # A batch is split until about this many programs per SM are in flight, rounded to the
@@ -222,6 +228,16 @@ def _decode_split_kernel(
             tl.store(counter, 0)  # ready for the next launch (or graph replay)
 
 
+@functools.cache
+def min_split_tokens_now() -> int:
+    """``MIN_SPLIT_TOKENS``, or ``PEGAINFER_DECODE_MIN_SPLIT`` where set (read once: an
+    environment read costs about 0.5 us a launch)."""
+    value = int(os.environ.get("PEGAINFER_DECODE_MIN_SPLIT", MIN_SPLIT_TOKENS))
+    if value < 1:
+        raise ValueError(f"PEGAINFER_DECODE_MIN_SPLIT must be a positive token count, got {value}")
+    return value
+
+
 def choose_max_splits(
     num_seqs: int,
     num_kv_heads: int,
@@ -248,7 +264,7 @@ def paged_decode_attention_triton(
     max_context_len: int = 0,
     *,
     max_splits: int | None = None,
-    min_split_tokens: int = MIN_SPLIT_TOKENS,
+    min_split_tokens: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
@@ -274,6 +290,8 @@ def paged_decode_attention_triton(
     group = num_heads // num_kv_heads
     if max_context_len <= 0:
         max_context_len = block_tables.shape[1] * block_size
+    if min_split_tokens is None:
+        min_split_tokens = min_split_tokens_now()
     if max_splits is None:
         max_splits = choose_max_splits(
             num_seqs, num_kv_heads, max_context_len, q.device, min_split_tokens

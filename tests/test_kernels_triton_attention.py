@@ -399,6 +399,29 @@ def test_decode_split_policy():
     assert choose_max_splits(1, 8, 100, cpu, min_split_tokens=64) == 2
 
 
+def test_shortest_split_setting(monkeypatch):
+    """``PEGAINFER_DECODE_MIN_SPLIT`` replaces the shortest split, read once; a count below
+    1 is refused."""
+    from kernels import decode_attention
+
+    cache = decode_attention.min_split_tokens_now
+    try:
+        monkeypatch.delenv("PEGAINFER_DECODE_MIN_SPLIT", raising=False)
+        cache.cache_clear()
+        assert cache() == decode_attention.MIN_SPLIT_TOKENS
+        monkeypatch.setenv("PEGAINFER_DECODE_MIN_SPLIT", "256")
+        assert cache() == decode_attention.MIN_SPLIT_TOKENS  # read once
+        cache.cache_clear()
+        assert cache() == 256
+        monkeypatch.setenv("PEGAINFER_DECODE_MIN_SPLIT", "0")
+        cache.cache_clear()
+        with pytest.raises(ValueError, match="PEGAINFER_DECODE_MIN_SPLIT"):
+            cache()
+    finally:
+        monkeypatch.delenv("PEGAINFER_DECODE_MIN_SPLIT", raising=False)
+        cache.cache_clear()
+
+
 def test_block_table_width_compiles_no_new_variant():
     """An eager batch's block tables are as wide as its longest context; a specialized row
     stride compiled a new kernel variant mid-serving whenever that width turned a multiple

@@ -22,6 +22,7 @@ from torch import nn
 
 import kernels
 from kernels.compile_ahead import CompileAheadReport, compile_for, fingerprint
+from kernels.host_copy import copy_pinned
 from pegainfer.config import EngineConfig
 from pegainfer.startup_timeline import StartupTimeline
 from worker_proc.cuda_graphs import DecodeGraphs, GraphBackend, Replay, capture_sizes
@@ -151,6 +152,10 @@ def compile_graph_kernels(
         # The sampler's argmax over float32 rows, which no graph takes. First: the pass ends
         # when the last variant found has compiled, so each is best found early.
         kernels.argmax_rows(torch.empty((1, vocab_size), dtype=torch.float32, device=device))
+        # Every step's upload and token readback (kernels/host_copy.py): one variant.
+        if device.type == "cuda":
+            words = torch.empty(64, dtype=torch.int32, device=device)
+            copy_pinned(words, torch.empty(64, dtype=torch.int32, pin_memory=True))
         with compile_layers(model):
             if profile_run is not None:
                 profile_run()

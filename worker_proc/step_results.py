@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.host_copy import copy_pinned
 from pegainfer.protocol import StepResult, pack_ids
 from worker_proc.batch import SequenceState
 
@@ -47,7 +48,7 @@ class ResultQueue:
             # Copied as they are (int64 from the sampler): a cast on the device would be one
             # more kernel between two steps; the host packs them as int32 anyway.
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+            copy_pinned(host, tokens)  # a kernel writing the pinned memory (kernels/host_copy.py)
             event = torch.cuda.Event()
             event.record()
             self._pending.append(_Pending(step_id, seqs, host, event))

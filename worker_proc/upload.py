@@ -4,7 +4,8 @@ Every step needs a handful of small index arrays on the device (token ids, posit
 slots, ...). Copying each from pageable memory costs one transfer each and may make the
 driver wait for the stream, which would stall the host behind the GPU and defeat overlapped
 scheduling. ``Uploader`` packs the arrays of one step into one pinned buffer and issues one
-asynchronous copy; the device tensors it returns are views into a device buffer.
+asynchronous copy (a kernel reading the pinned buffer: kernels/host_copy.py); the device
+tensors it returns are views into a device buffer.
 
 Both sides are rings: a pinned buffer is reused only after the event recorded behind its
 copy has completed (normally long ago), and a device view stays valid until ``ring_size``
@@ -24,6 +25,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from kernels.host_copy import copy_pinned
 
 _ALIGN = 16  # bytes; every array starts at a multiple, so typed views of the buffer work
 
@@ -160,7 +163,7 @@ class Uploader:
         else:
             views = list(placement.device_views)
             if len(placement.device_span):
-                placement.device_span.copy_(placement.host_span, non_blocking=True)
+                copy_pinned(placement.device_span, placement.host_span)
         if slot.event is not None:
             slot.event.record()
         return views
