@@ -222,6 +222,15 @@ def _sum_group_squares(
         tl.store(counter, 0)  # ready for the next launch (or graph replay)
 
 
+def in_groups_block(normed: PendingNorm | None, config: LinearConfig) -> int:
+    """The tile of a normed input's slots a GEMV program loads (1 without a norm)."""
+    if normed is None:
+        return 1
+    if config.block_m == 1:
+        return normed.groups_block_for_row(config.num_warps)
+    return normed.groups_block
+
+
 def _gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -278,7 +287,7 @@ def _gemv(
         normed.eps if normed is not None else 0.0,
         HAS_BIAS=bias is not None,
         NORMED=normed is not None,
-        IN_GROUPS=normed.groups_block if normed is not None else 1,
+        IN_GROUPS=in_groups_block(normed, config),
         ADD_NORM=residual is not None,
         GROUP_TILES=group_tiles,
         BLOCK_M=config.block_m,

@@ -169,7 +169,7 @@ def linear_silu_and_mul_triton(x: torch.Tensor | PendingNorm, weight: torch.Tens
         normed.num_groups if normed is not None else 1,
         normed.eps if normed is not None else 0.0,
         NORMED=normed is not None,
-        IN_GROUPS=normed.groups_block if normed is not None else 1,
+        IN_GROUPS=normed.groups_block_for_row(num_warps) if normed is not None else 1,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,

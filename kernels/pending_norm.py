@@ -60,6 +60,15 @@ class PendingNorm:
         """The power-of-two tile a consumer loads the slots of a row in."""
         return next_power_of_2(self.num_groups)
 
+    def groups_block_for_row(self, num_warps: int) -> int:
+        """``groups_block`` for a one-row consumer of ``num_warps`` warps: at least one slot a
+        thread. Narrower, Triton spreads the tile over the program's threads in a layout that
+        holds registers through the whole K loop: compiled for sm_90 by Triton 3.6, the
+        Qwen3-4B qkv GEMV (2 warps) took 51 registers with 20 slots read as 32 against 37
+        with 64, so 18 programs a SM instead of 25 and two waves instead of one: a batch-1
+        decode step went from 2.43 to 3.04 ms on an H200 when o and down wrote 20 slots."""
+        return max(self.groups_block, 32 * num_warps)
+
     def materialize(self) -> torch.Tensor:
         return rms_norm(self.hidden, self.weight, self.eps)
 

@@ -169,6 +169,30 @@ def test_consumer_with_bias_adds_it_after_the_norm():
         )
 
 
+def test_one_row_consumers_load_at_least_a_slot_a_thread():
+    """A one-row GEMV loads its input's slots in a tile of at least one slot a thread
+    (narrower tiles cost registers through the K loop: kernels/pending_norm.py)."""
+    from kernels.linear import in_groups_block
+
+    def pending(groups: int) -> PendingNorm:
+        row = torch.zeros(1, 8)
+        return PendingNorm(row, torch.ones(8), EPS, torch.zeros(1, groups), row)
+
+    assert [pending(g).groups_block_for_row(2) for g in (1, 20, 40, 64, 80, 640)] == [
+        64,
+        64,
+        64,
+        64,
+        128,
+        1024,
+    ]
+    assert [pending(g).groups_block_for_row(4) for g in (20, 64, 80, 160)] == [128, 128, 128, 256]
+    row_tile = LinearConfig("gemv", 2, 512, 4)
+    assert in_groups_block(pending(20), row_tile) == 128
+    assert in_groups_block(pending(20), LinearConfig("gemv", 2, 512, 4, block_m=2)) == 32
+    assert in_groups_block(None, row_tile) == 1
+
+
 def test_materialize_is_the_plain_norm():
     pending, _ = _pending(4, 64, torch.float16, 23, PRODUCERS[3][3])
     want = rms_norm_ref(pending.hidden, pending.weight, EPS)
