@@ -66,7 +66,9 @@ class PendingNorm:
         holds registers through the whole K loop: compiled for sm_90 by Triton 3.6, the
         Qwen3-4B qkv GEMV (2 warps) took 51 registers with 20 slots read as 32 against 37
         with 64, so 18 programs a SM instead of 25 and two waves instead of one: a batch-1
-        decode step went from 2.43 to 3.04 ms on an H200 when o and down wrote 20 slots."""
+        decode step went from 2.43 to 3.04 ms on an H200 when o and down wrote 20 slots; at
+        Qwen3-8B's shape (64 slots, 4-warp programs, 67 registers) the qkv GEMV took 135 us a
+        layer against 14, and a step 8.5 against 4.2 ms."""
         return max(self.groups_block, 32 * num_warps)
 
     def materialize(self) -> torch.Tensor:
