@@ -17,6 +17,7 @@ shape and row count, cuBLAS where it picks none.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -37,12 +38,36 @@ tl = None  # bound to triton.language by kernels.backend.load_triton()
 GROUP_TILES = 32
 
 
+# What the kernel before a projection leaves of the memory bandwidth, which decides how much
+# of its weight the projection reads before its PDL wait (kernels/linear_configs.py):
+# decode attention leaves it mostly idle; a bandwidth-bound GEMV streams to its end.
+AFTER_IDLE = "after_idle"
+AFTER_STREAM = "after_stream"
+
+
 # CUDA's limit on a grid's second dimension, which holds the GEMV's feature tiles.
 MAX_FEATURE_TILES = 65_535
 
 
 def group_tiles_now() -> int:
     return int(os.environ.get("PEGAINFER_NORM_GROUP_TILES", GROUP_TILES))
+
+
+@functools.cache
+def _weight_eviction(setting: str) -> str:
+    if setting not in ("0", "1"):
+        raise ValueError(f"PEGAINFER_EVICT_WEIGHTS must be 0 or 1, got {setting!r}")
+    return "evict_first" if setting == "1" else ""
+
+
+def weight_eviction() -> str:
+    """The L2 eviction policy of the one-row GEMVs' weight loads: ``evict_first``, so that
+    the 8 GB a batch-1 step streams through L2 leave the small tensors the step reads back
+    (activations, the residual stream, norm slots, attention partials, the KV cache at
+    short contexts) resident; plain loads with ``PEGAINFER_EVICT_WEIGHTS=0``. On an H200 a
+    Qwen3-4B step at context 128 / 4k took 2.38 / 2.66 ms against 2.41 / 2.68
+    (tools/README.md)."""
+    return _weight_eviction(os.environ.get("PEGAINFER_EVICT_WEIGHTS", "1"))
 
 
 @dataclass(frozen=True)
@@ -74,9 +99,9 @@ def linear_ref(
 
 
 @triton_jit
-def _weight_tile(rows, index, K, BLOCK_K: tl.constexpr):
+def _weight_tile(rows, index, K, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
     ks = index * BLOCK_K + tl.arange(0, BLOCK_K)
-    return tl.load(rows + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+    return tl.load(rows + ks[None, :], mask=(ks < K)[None, :], other=0.0, eviction_policy=EVICT)
 
 
 @triton_jit
@@ -113,6 +138,7 @@ def _gemv_kernel(
     LOOP_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
+    W_EVICT: tl.constexpr = "",
 ):
     # Row tiles vary fastest, so programs sharing a weight tile run side by side and all but
     # the first read it from L2. Within a program every row uses each weight tile loaded.
@@ -128,9 +154,9 @@ def _gemv_kernel(
     # Weights are written before the step: the first tiles may be read before the wait
     # (kernels/linear_configs.py says when).
     if PREFETCH_TILES >= 1:
-        w_0 = _weight_tile(w_rows, 0, K, BLOCK_K)
+        w_0 = _weight_tile(w_rows, 0, K, BLOCK_K, W_EVICT)
     if PREFETCH_TILES >= 2:
-        w_1 = _weight_tile(w_rows, 1, K, BLOCK_K)
+        w_1 = _weight_tile(w_rows, 1, K, BLOCK_K, W_EVICT)
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     if NORMED:
         square_sums = pending_norm.load_square_sums(
@@ -146,20 +172,22 @@ def _gemv_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     if PREFETCH_TILES >= 1:
-        acc += _weight_tile(x_rows, 0, K, BLOCK_K).to(tl.float32) * w_0.to(tl.float32)
+        acc += _weight_tile(x_rows, 0, K, BLOCK_K, "").to(tl.float32) * w_0.to(tl.float32)
     if PREFETCH_TILES >= 2:
-        acc += _weight_tile(x_rows, 1, K, BLOCK_K).to(tl.float32) * w_1.to(tl.float32)
+        acc += _weight_tile(x_rows, 1, K, BLOCK_K, "").to(tl.float32) * w_1.to(tl.float32)
     # With LOOP_STAGES > 1 Triton copies the next tiles into shared memory asynchronously
     # while this one is summed: more bytes in flight a program without holding them in
     # registers (it pipelines loads that feed no tl.dot only when the loop asks for stages).
     for k_start in tl.range(PREFETCH_TILES * BLOCK_K, K, BLOCK_K, num_stages=LOOP_STAGES):
         ks = k_start + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            w = tl.load(w_rows + ks[None, :])
+            w = tl.load(w_rows + ks[None, :], eviction_policy=W_EVICT)
             x = tl.load(x_rows + ks[None, :]).to(tl.float32)
         else:
             k_mask = ks < K
-            w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+            w = tl.load(
+                w_rows + ks[None, :], mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT
+            )
             x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
         if BLOCK_M == 1:
             acc += x * w.to(tl.float32)
@@ -296,6 +324,7 @@ def _gemv(
         EVEN_K=k % config.block_k == 0,
         PREFETCH_TILES=prefetch_tiles,
         LOOP_STAGES=config.num_stages,
+        W_EVICT=weight_eviction(),
         USE_PDL=with_pdl,
         LAUNCH_SUCCESSOR=pdl.launch_successor(
             with_pdl, "gemv_add" if residual is not None else "gemv"
@@ -347,13 +376,13 @@ def linear_add_residual_triton(
     residual: torch.Tensor,
     norm_weight: torch.Tensor,
     config: LinearConfig,
-    prefetch: bool = False,
+    prefetch: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``s = round(x [M, K] @ weight.T) + residual [M, N]``, rounded; its rows' sums of
     squares ``[M, groups]`` float32; and ``s * norm_weight``: what the RMSNorm that follows
-    needs (kernels/pending_norm.py). With ``prefetch`` the kernel reads its first weight
-    tiles before waiting on the kernel before it (``prefetch_tiles``): for a projection
-    whose input comes from a kernel that leaves the memory bandwidth idle."""
+    needs (kernels/pending_norm.py). With ``prefetch`` (``AFTER_IDLE`` or ``AFTER_STREAM``:
+    what the kernel before leaves of the memory bandwidth) the kernel reads its first weight
+    tiles before waiting on the kernel before it (``prefetch_tiles``)."""
     x = _checked(x, weight)
     if tuple(residual.shape) != (x.shape[0], weight.shape[0]):
         raise ValueError(f"residual {tuple(residual.shape)} does not match the output")
@@ -361,7 +390,7 @@ def linear_add_residual_triton(
     load_triton()
     from kernels.linear_configs import prefetch_tiles
 
-    tiles = prefetch_tiles(config, x.shape[1]) if prefetch else 0
+    tiles = prefetch_tiles(config, x.shape[1], prefetch) if prefetch else 0
     if config.kind == "gemv":
         out, sums, weighted = _gemv(x, weight, None, config, None, residual, norm_weight, tiles)
     else:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels.backend import cdiv
-from kernels.linear import MAX_FEATURE_TILES, LinearConfig
+from kernels.linear import AFTER_IDLE, AFTER_STREAM, MAX_FEATURE_TILES, LinearConfig
 from kernels.skinny_gemm import MAX_ROWS, block_rows
 
 MAX_TRITON_ROWS = MAX_ROWS
@@ -165,9 +165,10 @@ def skinny_config(num_rows: int, n: int, k: int, silu_mul: bool = False) -> Line
     return skinny_rule(num_rows, n, k, silu_mul)
 
 
-# Weight tiles a projection reads before its PDL wait when its caller asks for it: the o
-# projection, after decode attention, which leaves the memory bandwidth mostly idle
-# (worker_proc/models/llama.py). H200, Qwen3-4B, alternated in process: batch-1 steps at
+# Weight tiles a projection reads before its PDL wait, by what the kernel before it leaves
+# of the memory bandwidth (``AFTER_IDLE``, ``AFTER_STREAM`` in kernels/linear.py; the layers
+# say which in worker_proc/models/llama.py). After decode attention, which leaves the
+# bandwidth mostly idle (the o projection); H200, Qwen3-4B, alternated in process: batch-1 steps at
 # context 128 / 4k took 2.46 / 2.74 ms with two one-row GEMV tiles (2 x 1,024 of K a program,
 # half of o's weight) against 2.52 / 2.79 with none, 2.48 / 2.76 with one, 2.52 / 2.79 with
 # three, 2.51 / 2.76 with four. At 8 / 16 / 32 rows two skinny GEMM tiles gave 3.21 / 3.51 /
@@ -176,17 +177,34 @@ def skinny_config(num_rows: int, n: int, k: int, silu_mul: bool = False) -> Line
 GEMV_PREFETCH_TILES = 2
 SKINNY_PREFETCH_TILES = 2
 MAX_PREFETCH_TILES = 2
+# After a bandwidth-bound GEMV (down, after gate/up), one one-row tile fills the gap between
+# the two kernels' streams: with the weights' loads marked evict_first, batch-1 steps at
+# context 128 / 4k took 2.35 / 2.63 ms against 2.38 / 2.66 with none (H200, Qwen3-4B, two
+# alternated rounds); without the eviction hint 2.40 / 2.67 against 2.41 / 2.68. The qkv
+# projection (after down) with one tile took 2.44 / 2.71 against 2.41 / 2.68: its 2-warp
+# programs then need 45 registers and no longer fit the GPU in one round.
+# ``PEGAINFER_GEMV_STREAM_PREFETCH_TILES`` replaces it; the skinny GEMM reads none there.
+GEMV_STREAM_PREFETCH_TILES = 1
 
 
-def prefetch_tiles(config: LinearConfig, k: int) -> int:
+def prefetch_tiles(config: LinearConfig, k: int, after: str = AFTER_IDLE) -> int:
     """The weight tiles a launch of ``config`` over ``k`` input features reads before its
-    wait, when its caller asks for a prefetch: at most one split's."""
+    wait, after a kernel of the kind ``after`` names: at most one split's."""
+    if after not in (AFTER_IDLE, AFTER_STREAM):
+        raise ValueError(f"unknown prefetch {after!r}: want {AFTER_IDLE!r} or {AFTER_STREAM!r}")
     if config.kind == "gemv":
         if config.block_m != 1:
             return 0
-        tiles = int(os.environ.get("PEGAINFER_GEMV_PREFETCH_TILES", GEMV_PREFETCH_TILES))
+        if after == AFTER_IDLE:
+            tiles = int(os.environ.get("PEGAINFER_GEMV_PREFETCH_TILES", GEMV_PREFETCH_TILES))
+        else:
+            tiles = int(
+                os.environ.get("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", GEMV_STREAM_PREFETCH_TILES)
+            )
         span = k
     else:
+        if after == AFTER_STREAM:
+            return 0
         tiles = int(os.environ.get("PEGAINFER_SKINNY_PREFETCH_TILES", SKINNY_PREFETCH_TILES))
         span = cdiv(k, config.split_k)
     return max(0, min(tiles, MAX_PREFETCH_TILES, cdiv(span, config.block_k)))

@@ -26,7 +26,14 @@ import torch
 from kernels import pdl, pending_norm
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.backend import cdiv, load_triton, triton_jit, use_pdl
-from kernels.linear import LinearConfig, linear, linear_ref, triton_eligible, triton_handles
+from kernels.linear import (
+    LinearConfig,
+    linear,
+    linear_ref,
+    triton_eligible,
+    triton_handles,
+    weight_eviction,
+)
 from kernels.pending_norm import PendingNorm
 from kernels.skinny_gemm import MAX_ROWS, skinny_gemm_with
 
@@ -48,6 +55,7 @@ def _row_dot_pair(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
+    W_EVICT: tl.constexpr = "",
 ):
     """``BLOCK_N`` float32 dot products of one activation row with the gate rows and with
     the up rows, both in one K loop; the caller rounds them to the activation dtype, as a
@@ -57,13 +65,17 @@ def _row_dot_pair(
     for k_start in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         ks = k_start + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            gate_w = tl.load(gate_rows + ks[None, :])
-            up_w = tl.load(up_rows + ks[None, :])
+            gate_w = tl.load(gate_rows + ks[None, :], eviction_policy=W_EVICT)
+            up_w = tl.load(up_rows + ks[None, :], eviction_policy=W_EVICT)
             x = tl.load(x_ptr + ks)
         else:
             k_mask = ks < K
-            gate_w = tl.load(gate_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
-            up_w = tl.load(up_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+            gate_w = tl.load(
+                gate_rows + ks[None, :], mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT
+            )
+            up_w = tl.load(
+                up_rows + ks[None, :], mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT
+            )
             x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
         x_row = x.to(tl.float32)[None, :]
         gate_acc += x_row * gate_w.to(tl.float32)
@@ -90,6 +102,7 @@ def _gemv_silu_and_mul_kernel(
     LOOP_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
+    W_EVICT: tl.constexpr = "",
 ):
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_mask = features < N
@@ -102,7 +115,9 @@ def _gemv_silu_and_mul_kernel(
         square_sums = pending_norm.load_square_sums(
             in_sums_ptr, row, row < 1, num_in_groups, num_in_groups, IN_GROUPS
         )
-    gate, up = _row_dot_pair(x_ptr, gate_rows, up_rows, K, BLOCK_N, BLOCK_K, EVEN_K, LOOP_STAGES)
+    gate, up = _row_dot_pair(
+        x_ptr, gate_rows, up_rows, K, BLOCK_N, BLOCK_K, EVEN_K, LOOP_STAGES, W_EVICT
+    )
     if NORMED:
         inv_rms = tl.sum(pending_norm.inverse_rms(square_sums, K, eps))
         gate *= inv_rms
@@ -174,6 +189,7 @@ def linear_silu_and_mul_triton(x: torch.Tensor | PendingNorm, weight: torch.Tens
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
         LOOP_STAGES=num_stages,
+        W_EVICT=weight_eviction(),
         USE_PDL=with_pdl,
         LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "gemv_silu"),
         num_warps=num_warps,

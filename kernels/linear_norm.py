@@ -77,7 +77,7 @@ def linear_add_rms_norm(
     residual: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
-    prefetch: bool = False,
+    prefetch: str | None = None,
 ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
     """``(normed, new residual)``; ``normed`` may be a ``PendingNorm`` (see above).
     ``prefetch``: see ``kernels.linear.linear_add_residual_triton``."""

@@ -10,7 +10,14 @@ import pytest
 import torch
 from triton_test_util import CUDA, DEVICE, check, gen, poisoned, randn, requires_triton
 
-from kernels.linear import LinearConfig, linear, linear_ref, linear_triton, triton_handles
+from kernels.linear import (
+    LinearConfig,
+    linear,
+    linear_ref,
+    linear_triton,
+    triton_handles,
+    weight_eviction,
+)
 from kernels.linear_configs import MAX_TRITON_ROWS, pick_config
 
 pytestmark = requires_triton
@@ -133,3 +140,13 @@ def test_one_row_tiles_stay_within_the_grid_limit():
     weight = torch.zeros(MAX_FEATURE_TILES + 1, 16, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="grid's second dimension"):
         linear_triton(x, weight, None, LinearConfig("gemv", 1, 16, 1))
+
+
+def test_weight_loads_evict_first_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("PEGAINFER_EVICT_WEIGHTS", raising=False)
+    assert weight_eviction() == "evict_first"
+    monkeypatch.setenv("PEGAINFER_EVICT_WEIGHTS", "0")
+    assert weight_eviction() == ""
+    monkeypatch.setenv("PEGAINFER_EVICT_WEIGHTS", "yes")
+    with pytest.raises(ValueError, match="PEGAINFER_EVICT_WEIGHTS"):
+        weight_eviction()

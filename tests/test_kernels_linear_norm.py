@@ -14,9 +14,17 @@ from triton_test_util import CUDA, DEVICE, check, gen, gpu_only, poisoned, randn
 
 import kernels
 from kernels.attention_merge import split_counters
-from kernels.linear import LinearConfig, linear_add_residual_triton, linear_ref, linear_triton
+from kernels.linear import (
+    AFTER_IDLE,
+    AFTER_STREAM,
+    LinearConfig,
+    linear_add_residual_triton,
+    linear_ref,
+    linear_triton,
+)
 from kernels.linear_configs import (
     GEMV_PREFETCH_TILES,
+    GEMV_STREAM_PREFETCH_TILES,
     MAX_PREFETCH_TILES,
     SKINNY_PREFETCH_TILES,
     prefetch_tiles,
@@ -97,18 +105,22 @@ PREFETCHED = [
 
 @pytest.mark.parametrize("rows,n,k,config", PREFETCHED)
 @pytest.mark.parametrize("tiles", ["1", "2"])
-def test_prefetched_weight_tiles_give_the_same_bits(rows, n, k, config, tiles, monkeypatch):
+@pytest.mark.parametrize("after", [AFTER_IDLE, AFTER_STREAM])
+def test_prefetched_weight_tiles_give_the_same_bits(rows, n, k, config, tiles, after, monkeypatch):
     dtype = DTYPES[-1]
     x, weight, residual, norm_weight = _producer_inputs(rows, n, k, dtype, rows + n + k + 1)
     plain = linear_add_residual_triton(x, weight, residual, norm_weight, config)
     monkeypatch.setenv("PEGAINFER_GEMV_PREFETCH_TILES", tiles)
     monkeypatch.setenv("PEGAINFER_SKINNY_PREFETCH_TILES", tiles)
-    assert prefetch_tiles(config, k) > 0
+    monkeypatch.setenv("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", tiles)
+    assert prefetch_tiles(config, k, after) > 0 or (
+        after == AFTER_STREAM and config.kind == "skinny"
+    )
     with poisoned():
         fetched = linear_add_residual_triton(
-            x, weight, residual, norm_weight, config, prefetch=True
+            x, weight, residual, norm_weight, config, prefetch=after
         )
-    what = f"rows={rows} n={n} k={k} {config} prefetching {tiles}"
+    what = f"rows={rows} n={n} k={k} {config} prefetching {tiles} {after}"
     want = (linear_ref(x, weight).float() + residual.float()).to(dtype)
     check(fetched[0], want, what)
     for got, before, part in zip(fetched, plain, ("stream", "sums", "weighted")):
@@ -126,6 +138,14 @@ def test_prefetch_tiles_stay_within_the_weight(monkeypatch):
     o_skinny = LinearConfig("skinny", 64, 128, 4, 16, 3, 4)
     assert prefetch_tiles(o_skinny, 4096) == SKINNY_PREFETCH_TILES
     assert prefetch_tiles(o_skinny, 3 * 128) == 1  # one tile a split
+    # After a bandwidth-bound kernel: one one-row tile (down), none for the skinny GEMM.
+    monkeypatch.delenv("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", raising=False)
+    assert prefetch_tiles(o_gemv, 9728, AFTER_STREAM) == GEMV_STREAM_PREFETCH_TILES == 1
+    assert prefetch_tiles(o_skinny, 9728, AFTER_STREAM) == 0
+    monkeypatch.setenv("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", "2")
+    assert prefetch_tiles(o_gemv, 9728, AFTER_STREAM) == 2
+    with pytest.raises(ValueError, match="unknown prefetch"):
+        prefetch_tiles(o_gemv, 4096, "after_all")
     monkeypatch.setenv("PEGAINFER_GEMV_PREFETCH_TILES", "0")
     assert prefetch_tiles(o_gemv, 4096) == 0
     monkeypatch.setenv("PEGAINFER_SKINNY_PREFETCH_TILES", "9")

@@ -189,7 +189,12 @@ def decode_step_launches(
     """One decoder layer's kernels and the LM head, at ``rows`` sequences of ``context``
     tokens, as a decode step launches them: ``(part, launch)`` in step order."""
     from kernels.decode_attention import paged_decode_attention_triton
-    from kernels.linear import linear_add_residual_triton, linear_triton
+    from kernels.linear import (
+        AFTER_IDLE,
+        AFTER_STREAM,
+        linear_add_residual_triton,
+        linear_triton,
+    )
     from kernels.linear_configs import pick_config, skinny_config
     from kernels.linear_fused import linear_silu_and_mul_triton
     from kernels.pending_norm import PendingNorm
@@ -217,7 +222,7 @@ def decode_step_launches(
         caught.extend((part, launch) for launch in launches[before:])
         return result
 
-    def add_norm(part: str, x: torch.Tensor, n: int, prefetch: bool) -> None:
+    def add_norm(part: str, x: torch.Tensor, n: int, prefetch: str) -> None:
         weight = _empty(n, x.shape[1])
         config = pick_config(rows, n, x.shape[1])
         if config is not None:
@@ -266,7 +271,7 @@ def decode_step_launches(
                 max_context_len=context,
             ),
         )
-        add_norm("o", attention.view(rows, q_size), hidden, prefetch=True)
+        add_norm("o", attention.view(rows, q_size), hidden, prefetch=AFTER_IDLE)
         gate_up = _empty(2 * inter, hidden)
         if rows == 1:
             step("gate_up", lambda: linear_silu_and_mul_triton(pending(), gate_up))
@@ -277,7 +282,7 @@ def decode_step_launches(
                     pending().weighted, gate_up, None, config, silu_mul=True, normed=pending()
                 ),
             )
-        add_norm("down", _empty(rows, inter), hidden, prefetch=False)
+        add_norm("down", _empty(rows, inter), hidden, prefetch=AFTER_STREAM)
         lm_head = _empty(fields["vocab_size"], hidden)
         if pick_config(rows, *lm_head.shape) is not None:
             step("lm_head", lambda: linear_triton(pending(), lm_head))

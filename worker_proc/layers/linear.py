@@ -174,11 +174,12 @@ class RowParallelLinear(nn.Module):
         output_size: int,
         bias: bool = False,
         reduce_results: bool = True,
-        prefetch_weight: bool = False,
+        prefetch_weight: str | None = None,
     ) -> None:
-        """``prefetch_weight``: the input comes from a kernel that leaves the memory
-        bandwidth idle (decode attention), so the projection's kernel reads its first weight
-        tiles while that one runs (``kernels.linear_add_rms_norm``)."""
+        """``prefetch_weight``: what the kernel producing the input leaves of the memory
+        bandwidth (``kernels.linear.AFTER_IDLE`` for decode attention, ``AFTER_STREAM`` for a
+        bandwidth-bound GEMV), so that the projection's kernel reads its first weight tiles
+        while that one runs (``kernels.linear_add_rms_norm``)."""
         super().__init__()
         self.prefetch_weight = prefetch_weight
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.linear import AFTER_IDLE, AFTER_STREAM
 from worker_proc.layers.attention import Attention
 from worker_proc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_proc.layers.linear import (
@@ -56,7 +57,7 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * config.head_dim,
             config.hidden_size,
             bias=config.attention_bias,
-            prefetch_weight=True,
+            prefetch_weight=AFTER_IDLE,
         )
         self.rotary_emb = rotary_emb  # one cos/sin cache shared by every layer
         self.attn = Attention(
@@ -92,8 +93,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias
         )
+        # Its input comes from the gate/up GEMV, which streams its weight to its end: down
+        # reads a first weight tile to fill the gap between the two.
         self.down_proj = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+            config.intermediate_size,
+            config.hidden_size,
+            bias=config.mlp_bias,
+            prefetch_weight=AFTER_STREAM,
         )
 
     def forward(
