@@ -28,10 +28,15 @@ What is read before the wait:
   before);
 - the o projection, which follows decode attention (latency bound, the memory bandwidth
   mostly idle), reads its first weight tiles (``prefetch`` in kernels/linear.py; tiles in
-  kernels/linear_configs.py): batch-1 steps 2.52 -> 2.46 ms at context 128.
+  kernels/linear_configs.py): batch-1 steps 2.52 -> 2.46 ms at context 128;
+- the one-row down GEMV, which follows the gate/up GEMV, reads one weight tile: 2.38 ->
+  2.35 ms (with the weights' evict-first hint; 2.41 -> 2.40 without it).
 Measured and not done: every one-row GEMV reading its first weight tile (2.72 against 2.70
-ms a batch-1 step, an earlier version: those after a bandwidth-bound kernel only compete
-with it); an L2 prefetch of a linear layer's weight slice and of decode attention's first
+ms a batch-1 step, an earlier version); the qkv GEMV reading one (2.44 against 2.41 ms: its
+programs then no longer fit the GPU at once); the o projection copying its whole weight slice
+into shared memory before the wait (Gluon's ``cp.async``; 2.51 against 2.40 ms: decode
+attention's loads queued behind the 21 MB, 8.8 against 6.3 us a layer, and copying only two
+tiles early that way still took 2.49); an L2 prefetch of a linear layer's weight slice and of decode attention's first
 K/V tile (3.20 against 2.70 ms); decode attention reading its first K/V tile, all but the
 newest token, into registers (batch 1 unchanged, 8-64 rows 6-9% slower: the peeled tile
 took the kernel from 110 to 215 registers a thread, 2 programs a SM instead of 4, as
