@@ -17,7 +17,6 @@ shape and row count, cuBLAS where it picks none.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 
 from kernels import attention_merge, pdl, pending_norm
 from kernels.attention_merge import split_counters
-from kernels.backend import cdiv, load_triton, triton_jit, use_pdl, use_triton
+from kernels.backend import cdiv, load_triton, triton_jit, use_pdl, use_triton, weight_eviction
 from kernels.pending_norm import PendingNorm, as_tensor
 from kernels.skinny_gemm import MAX_ROWS, skinny_gemm_add_residual, skinny_gemm_with
 
@@ -51,23 +50,6 @@ MAX_FEATURE_TILES = 65_535
 
 def group_tiles_now() -> int:
     return int(os.environ.get("PEGAINFER_NORM_GROUP_TILES", GROUP_TILES))
-
-
-@functools.cache
-def _weight_eviction(setting: str) -> str:
-    if setting not in ("0", "1"):
-        raise ValueError(f"PEGAINFER_EVICT_WEIGHTS must be 0 or 1, got {setting!r}")
-    return "evict_first" if setting == "1" else ""
-
-
-def weight_eviction() -> str:
-    """The L2 eviction policy of the one-row GEMVs' weight loads: ``evict_first``, so that
-    the 8 GB a batch-1 step streams through L2 leave the small tensors the step reads back
-    (activations, the residual stream, norm slots, attention partials, the KV cache at
-    short contexts) resident; plain loads with ``PEGAINFER_EVICT_WEIGHTS=0``. On an H200 a
-    Qwen3-4B step at context 128 / 4k took 2.38 / 2.66 ms against 2.41 / 2.68
-    (tools/README.md)."""
-    return _weight_eviction(os.environ.get("PEGAINFER_EVICT_WEIGHTS", "1"))
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,9 @@ _TARGET_PROGRAMS = 264
 # o 6.8 against 7.5; in batch-1 steps (bench_latency, alternated) down so took a step at context
 # 128 from 2.42 to 3.05-3.08 ms, the qkv projection after it then taking 25.5 us a layer against
 # 9.1 (profiled; 3.21 ms with PDL off, so not PDL's overlap); o so 2.43, qkv at (8, 256, 2, 4)
-# 2.57; every one-row GEMV at 2 / 3 stages 2.59 / 2.71.
+# 2.57; every one-row GEMV at 2 / 3 stages 2.59 / 2.71. Again after the norm slots' fix (12-03),
+# context 128: down at (2, 1,024, 4 warps, 2 stages) 2.42 against 2.37, o so 2.39, qkv at (2,
+# 512, 2, 2) 2.45, gate/up at (4, 512, 2, 2) 2.45, every one at 2 stages 2.55.
 GEMV_STAGES = 1
 
 
@@ -183,8 +185,15 @@ MAX_PREFETCH_TILES = 2
 # alternated rounds); without the eviction hint 2.40 / 2.67 against 2.41 / 2.68. The qkv
 # projection (after down) with one tile took 2.44 / 2.71 against 2.41 / 2.68: its 2-warp
 # programs then need 45 registers and no longer fit the GPU in one round.
-# ``PEGAINFER_GEMV_STREAM_PREFETCH_TILES`` replaces it; the skinny GEMM reads none there.
+# ``PEGAINFER_GEMV_STREAM_PREFETCH_TILES`` replaces it.
 GEMV_STREAM_PREFETCH_TILES = 1
+# The skinny GEMM after a stream (down, after gate/up) reads one tile from 32 rows and none
+# below: in process, alternated, one tile took batch 32 from 4.19 to 4.16 ms a step and batch
+# 8 from 3.16 to 3.18, two tiles 4.16 and 3.20 (H200, Qwen3-4B, 1,024-token prompts); on
+# another machine batch 32 4.13 -> 4.10.
+# ``PEGAINFER_SKINNY_STREAM_PREFETCH_TILES`` replaces it at every row count.
+SKINNY_STREAM_PREFETCH_TILES = 1
+SKINNY_STREAM_PREFETCH_MIN_ROWS = 32
 
 
 def prefetch_tiles(config: LinearConfig, k: int, after: str = AFTER_IDLE) -> int:
@@ -203,9 +212,13 @@ def prefetch_tiles(config: LinearConfig, k: int, after: str = AFTER_IDLE) -> int
             )
         span = k
     else:
-        if after == AFTER_STREAM:
-            return 0
-        tiles = int(os.environ.get("PEGAINFER_SKINNY_PREFETCH_TILES", SKINNY_PREFETCH_TILES))
+        if after == AFTER_IDLE:
+            tiles = int(os.environ.get("PEGAINFER_SKINNY_PREFETCH_TILES", SKINNY_PREFETCH_TILES))
+        else:
+            rule = SKINNY_STREAM_PREFETCH_TILES
+            if config.block_m < SKINNY_STREAM_PREFETCH_MIN_ROWS:
+                rule = 0
+            tiles = int(os.environ.get("PEGAINFER_SKINNY_STREAM_PREFETCH_TILES", rule))
         span = cdiv(k, config.split_k)
     return max(0, min(tiles, MAX_PREFETCH_TILES, cdiv(span, config.block_k)))
 

@@ -30,7 +30,8 @@ What is read before the wait:
   mostly idle), reads its first weight tiles (``prefetch`` in kernels/linear.py; tiles in
   kernels/linear_configs.py): batch-1 steps 2.52 -> 2.46 ms at context 128;
 - the one-row down GEMV, which follows the gate/up GEMV, reads one weight tile: 2.38 ->
-  2.35 ms (with the weights' evict-first hint; 2.41 -> 2.40 without it).
+  2.35 ms (with the weights' evict-first hint; 2.41 -> 2.40 without it); the skinny down GEMM
+  does from 32 rows (batch 32 4.19 -> 4.16 ms in process; batch 8 lost, 3.16 -> 3.18).
 Measured and not done: every one-row GEMV reading its first weight tile (2.72 against 2.70
 ms a batch-1 step, an earlier version); the qkv GEMV reading one (2.44 against 2.41 ms: its
 programs then no longer fit the GPU at once); the o projection copying its whole weight slice
@@ -40,7 +41,9 @@ tiles early that way still took 2.49); an L2 prefetch of a linear layer's weight
 K/V tile (3.20 against 2.70 ms); decode attention reading its first K/V tile, all but the
 newest token, into registers (batch 1 unchanged, 8-64 rows 6-9% slower: the peeled tile
 took the kernel from 110 to 215 registers a thread, 2 programs a SM instead of 4, as
-compiled offline for sm_90a by Triton 3.6).
+compiled offline for sm_90a by Triton 3.6); decode attention reading its first tile's
+block-table entries, so that only the K/V load follows the wait (batch 1 2.37 / 2.67 ms at
+context 128 / 4k against 2.37 / 2.65, batches 8 / 32 unchanged or slower).
 The skinny GEMM of 2-64 rows reading one or two weight tiles before the wait was 0.1-0.5 us
 slower a projection than reading none alone (``tools/tune_linear``, nothing to overlap).
 Extra programs of decode attention's grid prefetching the o projection's weight into L2 (no

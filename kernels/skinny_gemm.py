@@ -44,7 +44,14 @@ import torch
 
 from kernels import pdl, skinny_tile
 from kernels.attention_merge import split_counters
-from kernels.backend import cdiv, dot_needs_fp32, load_triton, triton_jit, use_pdl
+from kernels.backend import (
+    cdiv,
+    dot_needs_fp32,
+    load_triton,
+    triton_jit,
+    use_pdl,
+    weight_eviction,
+)
 from kernels.pending_norm import PendingNorm
 
 if TYPE_CHECKING:
@@ -97,6 +104,7 @@ def _skinny_gemm_kernel(
     USE_PDL: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
     PREFETCH_TILES: tl.constexpr,
+    W_EVICT: tl.constexpr,
 ):
     skinny_tile.skinny_gemm_tile(
         x_ptr,
@@ -135,6 +143,7 @@ def _skinny_gemm_kernel(
         True,
         LAUNCH_SUCCESSOR,
         PREFETCH_TILES,
+        W_EVICT,
     )
 
 
@@ -174,6 +183,7 @@ def _skinny_gemm_silu_and_mul_kernel(
     USE_PDL: tl.constexpr,
     PAIRED: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
+    W_EVICT: tl.constexpr,
 ):
     skinny_tile.skinny_gemm_tile(
         x_ptr,
@@ -211,6 +221,8 @@ def _skinny_gemm_silu_and_mul_kernel(
         USE_PDL,
         PAIRED,
         LAUNCH_SUCCESSOR,
+        0,
+        W_EVICT,
     )
 
 
@@ -320,6 +332,7 @@ def skinny_gemm(
         LAUNCH_SUCCESSOR=pdl.launch_successor(
             with_pdl, "skinny_add" if residual is not None else "skinny"
         ),
+        W_EVICT=weight_eviction(),
         num_warps=num_warps,
         num_stages=num_stages,
         **({"PAIRED": paired} if silu_mul else {}),

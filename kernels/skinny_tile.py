@@ -22,16 +22,19 @@ def _tile_dot(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    W_EVICT: tl.constexpr,
 ):
     """``acc += w[features, k_begin:k_end] @ x[rows, k_begin:k_end].T``."""
     for k_start in range(k_begin, k_end, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            w = tl.load(w_rows + ks[None, :])
+            w = tl.load(w_rows + ks[None, :], eviction_policy=W_EVICT)
             x = tl.load(x_rows + ks[None, :])
         else:
             k_mask = ks < K
-            w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+            w = tl.load(
+                w_rows + ks[None, :], mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT
+            )
             x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
         if DOT_FP32:
             w = w.to(tl.float32)
@@ -41,16 +44,16 @@ def _tile_dot(
 
 
 @triton_jit
-def _split_tile(rows, k_begin, index, k_end, BLOCK_K: tl.constexpr):
+def _split_tile(rows, k_begin, index, k_end, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
     ks = k_begin + index * BLOCK_K + tl.arange(0, BLOCK_K)
-    return tl.load(rows + ks[None, :], mask=(ks < k_end)[None, :], other=0.0)
+    return tl.load(rows + ks[None, :], mask=(ks < k_end)[None, :], other=0.0, eviction_policy=EVICT)
 
 
 @triton_jit
 def _prefetched_dot(
     acc, w, x_rows, k_begin, index, k_end, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr
 ):
-    x = _split_tile(x_rows, k_begin, index, k_end, BLOCK_K)
+    x = _split_tile(x_rows, k_begin, index, k_end, BLOCK_K, "")
     if DOT_FP32:
         w = w.to(tl.float32)
         x = x.to(tl.float32)
@@ -70,19 +73,24 @@ def _tile_dot_pair(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    W_EVICT: tl.constexpr,
 ):
     """``_tile_dot`` of the gate rows and the up rows in one K loop: each activation tile is
     read once for both, and one load pipeline runs from the first K step to the last."""
     for k_start in range(k_begin, k_end, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            w = tl.load(w_rows + ks[None, :])
-            up_w = tl.load(up_rows + ks[None, :])
+            w = tl.load(w_rows + ks[None, :], eviction_policy=W_EVICT)
+            up_w = tl.load(up_rows + ks[None, :], eviction_policy=W_EVICT)
             x = tl.load(x_rows + ks[None, :])
         else:
             k_mask = ks < K
-            w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
-            up_w = tl.load(up_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+            w = tl.load(
+                w_rows + ks[None, :], mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT
+            )
+            up_w = tl.load(
+                up_rows + ks[None, :], mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT
+            )
             x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
         if DOT_FP32:
             w = w.to(tl.float32)
@@ -145,9 +153,10 @@ def skinny_gemm_tile(
     EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PAIRED: tl.constexpr = True,
-    LAUNCH_SUCCESSOR: tl.constexpr = True,
-    PREFETCH_TILES: tl.constexpr = 0,
+    PAIRED: tl.constexpr,
+    LAUNCH_SUCCESSOR: tl.constexpr,
+    PREFETCH_TILES: tl.constexpr,
+    W_EVICT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -165,9 +174,9 @@ def skinny_gemm_tile(
     k_end = tl.minimum(k_begin + k_per_split, K)
     # Weights are written before the step: the split's first tiles may be read before the wait.
     if PREFETCH_TILES >= 1:
-        w_0 = _split_tile(w_rows, k_begin, 0, k_end, BLOCK_K)
+        w_0 = _split_tile(w_rows, k_begin, 0, k_end, BLOCK_K, W_EVICT)
     if PREFETCH_TILES >= 2:
-        w_1 = _split_tile(w_rows, k_begin, 1, k_end, BLOCK_K)
+        w_1 = _split_tile(w_rows, k_begin, 1, k_end, BLOCK_K, W_EVICT)
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     if NORMED:
         square_sums = pending_norm.load_square_sums(
@@ -190,12 +199,15 @@ def skinny_gemm_tile(
                 BLOCK_K,
                 EVEN_K,
                 DOT_FP32,
+                W_EVICT,
             )
         else:
-            acc = _tile_dot(acc, x_rows, w_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
+            acc = _tile_dot(
+                acc, x_rows, w_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32, W_EVICT
+            )
             up_rows = w_rows + N * stride_w_row
             up_acc = _tile_dot(
-                up_acc, x_rows, up_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32
+                up_acc, x_rows, up_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32, W_EVICT
             )
     else:
         if PREFETCH_TILES >= 1:
@@ -203,7 +215,9 @@ def skinny_gemm_tile(
         if PREFETCH_TILES >= 2:
             acc = _prefetched_dot(acc, w_1, x_rows, k_begin, 1, k_end, BLOCK_K, DOT_FP32)
         loop_begin = tl.minimum(k_begin + PREFETCH_TILES * BLOCK_K, k_end)
-        acc = _tile_dot(acc, x_rows, w_rows, loop_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32)
+        acc = _tile_dot(
+            acc, x_rows, w_rows, loop_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32, W_EVICT
+        )
 
     last = True
     if SPLIT:

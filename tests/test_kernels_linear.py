@@ -150,3 +150,37 @@ def test_weight_loads_evict_first_unless_turned_off(monkeypatch):
     monkeypatch.setenv("PEGAINFER_EVICT_WEIGHTS", "yes")
     with pytest.raises(ValueError, match="PEGAINFER_EVICT_WEIGHTS"):
         weight_eviction()
+
+
+@pytest.mark.parametrize(
+    "stages,prefetch", [(1, 0), (1, 2), (3, 0)], ids=["registers", "prefetched", "pipelined"]
+)
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+def test_skinny_weight_eviction_keeps_the_bits(stages, prefetch, silu_mul, monkeypatch):
+    from kernels.skinny_gemm import skinny_gemm
+
+    rows, n, k = 5, 64, 96
+    x, weight, _ = _inputs(rows, 2 * n if silu_mul else n, k, torch.bfloat16, 11, False)
+    outputs = []
+    for setting in ("0", "1"):
+        monkeypatch.setenv("PEGAINFER_EVICT_WEIGHTS", setting)
+        with poisoned():
+            outputs.append(
+                skinny_gemm(
+                    x,
+                    weight,
+                    None,
+                    block_n=16,
+                    block_k=32,
+                    split_k=1 if silu_mul else 2,
+                    num_stages=stages,
+                    silu_mul=silu_mul,
+                    prefetch_tiles=0 if silu_mul else prefetch,
+                )
+            )
+    want = linear_ref(x.float(), weight.float())
+    if silu_mul:
+        gate, up = want.to(torch.bfloat16).float().chunk(2, dim=1)
+        want = gate * torch.sigmoid(gate) * up
+    check(outputs[1], want.to(torch.bfloat16), f"stages={stages} prefetch={prefetch}")
+    assert torch.equal(outputs[0], outputs[1])

@@ -27,6 +27,7 @@ from kernels.linear_configs import (
     GEMV_STREAM_PREFETCH_TILES,
     MAX_PREFETCH_TILES,
     SKINNY_PREFETCH_TILES,
+    SKINNY_STREAM_PREFETCH_TILES,
     prefetch_tiles,
 )
 from kernels.linear_fused import linear_silu_and_mul_ref, linear_silu_and_mul_triton
@@ -113,9 +114,8 @@ def test_prefetched_weight_tiles_give_the_same_bits(rows, n, k, config, tiles, a
     monkeypatch.setenv("PEGAINFER_GEMV_PREFETCH_TILES", tiles)
     monkeypatch.setenv("PEGAINFER_SKINNY_PREFETCH_TILES", tiles)
     monkeypatch.setenv("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", tiles)
-    assert prefetch_tiles(config, k, after) > 0 or (
-        after == AFTER_STREAM and config.kind == "skinny"
-    )
+    monkeypatch.setenv("PEGAINFER_SKINNY_STREAM_PREFETCH_TILES", tiles)
+    assert prefetch_tiles(config, k, after) > 0
     with poisoned():
         fetched = linear_add_residual_triton(
             x, weight, residual, norm_weight, config, prefetch=after
@@ -140,10 +140,15 @@ def test_prefetch_tiles_stay_within_the_weight(monkeypatch):
     assert prefetch_tiles(o_skinny, 3 * 128) == 1  # one tile a split
     # After a bandwidth-bound kernel: one one-row tile (down), none for the skinny GEMM.
     monkeypatch.delenv("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", raising=False)
+    monkeypatch.delenv("PEGAINFER_SKINNY_STREAM_PREFETCH_TILES", raising=False)
     assert prefetch_tiles(o_gemv, 9728, AFTER_STREAM) == GEMV_STREAM_PREFETCH_TILES == 1
-    assert prefetch_tiles(o_skinny, 9728, AFTER_STREAM) == 0
+    assert prefetch_tiles(o_skinny, 9728, AFTER_STREAM) == 0  # 16 rows
+    down_32 = LinearConfig("skinny", 64, 128, 4, 32, 3, 4)
+    assert prefetch_tiles(down_32, 9728, AFTER_STREAM) == SKINNY_STREAM_PREFETCH_TILES == 1
     monkeypatch.setenv("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", "2")
     assert prefetch_tiles(o_gemv, 9728, AFTER_STREAM) == 2
+    monkeypatch.setenv("PEGAINFER_SKINNY_STREAM_PREFETCH_TILES", "1")
+    assert prefetch_tiles(o_skinny, 9728, AFTER_STREAM) == 1
     with pytest.raises(ValueError, match="unknown prefetch"):
         prefetch_tiles(o_gemv, 4096, "after_all")
     monkeypatch.setenv("PEGAINFER_GEMV_PREFETCH_TILES", "0")

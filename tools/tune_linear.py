@@ -60,6 +60,8 @@ DEFAULT_GRID: dict[str, tuple[int, ...]] = {
     "block_k": (64, 128, 256),
     "stages": (3, 4, 6),
     "split": (1, 2, 3, 4, 6, 8, 16),
+    # Warps a skinny program; 0: 4, and 8 as well for 128-feature tiles.
+    "warps": (0,),
     # The one-row GEMV's tiles; ``gemv_stages`` is its K loop's pipeline depth (1: none).
     "gemv_block_n": (1, 2, 4, 8, 16),
     "gemv_block_k": (128, 256, 512, 1024, 2048, 4096),
@@ -79,6 +81,12 @@ def parse_grid(spec: str) -> dict[str, tuple[int, ...]]:
             raise ValueError(f"--grid {item!r}: want one of {sorted(grid)} = comma-separated ints")
         grid[name] = tuple(int(v) for v in values.split(","))
     return grid
+
+
+def _skinny_warps(listed: tuple[int, ...], block_n: int) -> tuple[int, ...]:
+    if listed == (0,):
+        return (4, 8) if block_n == 128 else (4,)
+    return listed
 
 
 def candidates(
@@ -117,7 +125,7 @@ def candidates(
             programs = cdiv(n // parts, block_n) * split_k
             if not 100 <= programs <= 8192 or cdiv(k, block_k) < 2 * split_k:
                 continue
-        for warps in (4, 8) if block_n == 128 else (4,):
+        for warps in _skinny_warps(grid["warps"], block_n):
             for paired in (False, True) if silu_mul else (False,):
                 found.append(
                     LinearConfig(
