@@ -191,6 +191,10 @@ def test_overlapping_kernels_are_charged_from_the_end_of_the_one_before():
     assert result["overlap_us"] == pytest.approx(2.0 * (len(kernels) - 1))
     assert result["busy_us"] + result["idle_us"] == pytest.approx(result["step_us"])
     assert all(p["us_per_step"] >= 0 for p in result["parts"])
+    # Each part's kernels were placed 2 us before the one before ended, or 0.5 us after it.
+    assert all(p["start_us"] == pytest.approx(-2.0) for p in result["parts"])
+    assert all(p["start_us"] == pytest.approx(0.5) for p in plain["parts"])
+    assert "starts us" in format_breakdown("t", result, SHAPE.num_layers)
     assert "overlapping the kernel before" in format_breakdown("t", result, SHAPE.num_layers)
     assert "overlapping" not in format_breakdown("t", plain, SHAPE.num_layers)
 

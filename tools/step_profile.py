@@ -19,11 +19,14 @@ by their length (``LONG_GAP_US``).
 Kernels launched with programmatic dependent launch (kernels/pdl.py) start before the kernel
 before them ends and wait for it. So that the parts and the idle time still add up to the
 step, each kernel is charged only from the later of its start and the end of every kernel
-before it; the time it spent alongside its predecessor is reported as overlap.
+before it; the time it spent alongside its predecessor is reported as overlap, and each part's
+"starts" column says how early its kernels were placed (the median of their starts against
+the end of the kernels before).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +116,18 @@ def exclusive_times(kernels: Sequence[Kernel]) -> list[float]:
     return times
 
 
+def start_offsets(kernels: Sequence[Kernel]) -> list[float]:
+    """Each kernel's start against the end of every kernel before it: negative when it was
+    placed while the one before still ran (launched early with PDL, waiting on it), positive
+    for an idle gap before it."""
+    offsets: list[float] = []
+    busy_until = kernels[0].start_us if kernels else 0.0
+    for kernel in kernels:
+        offsets.append(kernel.start_us - busy_until)
+        busy_until = max(busy_until, kernel.start_us + kernel.duration_us)
+    return offsets
+
+
 def label_kernels(kernels: Sequence[Kernel], num_layers: int) -> list[str]:
     """Each kernel's part; GEMM runs named by their place in the step where they fit."""
     parts = [kernel_part(k.name) for k in kernels]
@@ -196,9 +211,11 @@ def breakdown(
     parts = label_kernels(kernels, shape.num_layers)
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
-    for part, charged in zip(parts, exclusive_times(kernels)):
+    starts: dict[str, list[float]] = {}
+    for part, charged, offset in zip(parts, exclusive_times(kernels), start_offsets(kernels)):
         totals[part] = totals.get(part, 0.0) + charged
         counts[part] = counts.get(part, 0) + 1
+        starts.setdefault(part, []).append(offset)
     span = max(k.start_us + k.duration_us for k in kernels) - kernels[0].start_us
     busy = sum(totals.values())
     overlap = sum(k.duration_us for k in kernels) - busy
@@ -211,6 +228,7 @@ def breakdown(
             "kernels_per_step": counts[part] / steps,
             "share_of_step": 100.0 * total / span,
             "floor_us_per_step": floors.get(part),
+            "start_us": statistics.median(starts[part]),
         }
         for part, total in sorted(totals.items(), key=lambda item: -item[1])
     ]
@@ -230,13 +248,21 @@ def breakdown(
 
 
 def format_breakdown(title: str, result: dict[str, Any], num_layers: int) -> str:
-    def row(name: str, us: float, kernels: float | None, floor: float | None) -> list[Any]:
+    def row(
+        name: str, us: float, kernels: float | None, floor: float | None, start: float | None = None
+    ) -> list[Any]:
         share = 100.0 * us / result["step_us"]
         of_floor = 100.0 * floor / us if floor and us else None
-        return [name, us, us / num_layers, kernels, share, floor, of_floor]
+        return [name, us, us / num_layers, kernels, share, floor, of_floor, start]
 
     rows = [
-        row(p["part"], p["us_per_step"], p["kernels_per_step"], p["floor_us_per_step"])
+        row(
+            p["part"],
+            p["us_per_step"],
+            p["kernels_per_step"],
+            p["floor_us_per_step"],
+            p.get("start_us"),
+        )
         for p in result["parts"]
     ]
     rows.append(row("idle between kernels", result["idle_us"], None, None))
@@ -252,8 +278,21 @@ def format_breakdown(title: str, result: dict[str, Any], num_layers: int) -> str
     )
     text = format_table(
         title,
-        ["part", "us/step", "us/layer", "kernels/step", "% of step", "floor us", "floor/time %"],
+        [
+            "part",
+            "us/step",
+            "us/layer",
+            "kernels/step",
+            "% of step",
+            "floor us",
+            "floor/time %",
+            "starts us",
+        ],
         rows,
+    )
+    text += (
+        "\n(starts us: the median start of the part's kernels against the end of the kernel "
+        "before; negative when launched early with PDL)"
     )
     stretch = result.get("between_steps")
     if stretch:
