@@ -87,6 +87,39 @@ def _weight_tile(rows, index, K, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton_jit
+def _tile_3d(base, k_start, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
+    """The ``[rows or 1, features or 1, BLOCK_K]`` tile at ``k_start`` of ``base``, a
+    ``[rows or 1, features or 1, 1]`` tensor of row pointers."""
+    ks = k_start + tl.arange(0, BLOCK_K)[None, None, :]
+    if EVEN_K:
+        tile = tl.load(base + ks, eviction_policy=EVICT)
+    else:
+        tile = tl.load(base + ks, mask=ks < K, other=0.0, eviction_policy=EVICT)
+    return tile
+
+
+@triton_jit
+def _rows_step(
+    x_rows,
+    w,
+    k_start,
+    K,
+    acc,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """``acc [BLOCK_M, BLOCK_N, BLOCK_K // 8]`` plus the products of the K step at
+    ``k_start`` with its weight tile ``w [1, BLOCK_N, BLOCK_K]``. Each thread holds 8
+    consecutive K of a tile (one 16-byte load), so summing them is a reduction inside the
+    thread, and the accumulator stays 8 times smaller than the tile."""
+    x = _tile_3d(x_rows, k_start, K, BLOCK_K, EVEN_K, "").to(tl.float32)
+    products = tl.reshape(x * w.to(tl.float32), [BLOCK_M, BLOCK_N, BLOCK_K // 8, 8])
+    return acc + tl.sum(products, axis=3)
+
+
+@triton_jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -132,52 +165,65 @@ def _gemv_kernel(
     # are never stored.
     safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
     safe_features = tl.where(feature_mask, features, 0).to(tl.int64)
-    w_rows = w_ptr + safe_features[:, None] * stride_w_row
     # Weights are written before the step: the first tiles may be read before the wait
     # (kernels/linear_configs.py says when).
-    if PREFETCH_TILES >= 1:
-        w_0 = _weight_tile(w_rows, 0, K, BLOCK_K, W_EVICT)
-    if PREFETCH_TILES >= 2:
-        w_1 = _weight_tile(w_rows, 1, K, BLOCK_K, W_EVICT)
+    if BLOCK_M == 1:
+        w_rows = w_ptr + safe_features[:, None] * stride_w_row
+        if PREFETCH_TILES >= 1:
+            w_0 = _weight_tile(w_rows, 0, K, BLOCK_K, W_EVICT)
+        if PREFETCH_TILES >= 2:
+            w_1 = _weight_tile(w_rows, 1, K, BLOCK_K, W_EVICT)
+    else:
+        w_rows = w_ptr + safe_features[None, :, None] * stride_w_row
+        if PREFETCH_TILES >= 1:
+            w_0 = _tile_3d(w_rows, 0, K, BLOCK_K, EVEN_K, W_EVICT)
+        if PREFETCH_TILES >= 2:
+            w_1 = _tile_3d(w_rows, BLOCK_K, K, BLOCK_K, EVEN_K, W_EVICT)
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     if NORMED:
         square_sums = pending_norm.load_square_sums(
             in_sums_ptr, rows, row_mask, num_in_groups, num_in_groups, IN_GROUPS
         )
-    x_rows = x_ptr + safe_rows[:, None] * stride_x_row
-    # One row: the accumulator keeps the weight tile's own layout, so the loop has no layout
-    # conversion. The [rows, features, K] form converts both tiles through shared memory every
-    # step (four barriers an iteration on sm_90); at one row it made a Qwen3-4B decode step 2%
-    # slower on an H200 (2.61-2.62 against 2.57 ms).
     if BLOCK_M == 1:
+        # The accumulator keeps the weight tile's own layout, so the loop has no layout
+        # conversion. The [rows, features, K] form of a 2D tile converts both tiles through
+        # shared memory every step (four barriers an iteration on sm_90); at one row it made a
+        # Qwen3-4B decode step 2% slower on an H200 (2.61-2.62 against 2.57 ms).
+        x_rows = x_ptr + safe_rows[:, None] * stride_x_row
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if PREFETCH_TILES >= 1:
-        acc += _weight_tile(x_rows, 0, K, BLOCK_K, "").to(tl.float32) * w_0.to(tl.float32)
-    if PREFETCH_TILES >= 2:
-        acc += _weight_tile(x_rows, 1, K, BLOCK_K, "").to(tl.float32) * w_1.to(tl.float32)
-    # With LOOP_STAGES > 1 Triton copies the next tiles into shared memory asynchronously
-    # while this one is summed: more bytes in flight a program without holding them in
-    # registers (it pipelines loads that feed no tl.dot only when the loop asks for stages).
-    for k_start in tl.range(PREFETCH_TILES * BLOCK_K, K, BLOCK_K, num_stages=LOOP_STAGES):
-        ks = k_start + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_rows + ks[None, :], eviction_policy=W_EVICT)
-            x = tl.load(x_rows + ks[None, :]).to(tl.float32)
-        else:
-            k_mask = ks < K
-            w = tl.load(
-                w_rows + ks[None, :], mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT
-            )
-            x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
-        if BLOCK_M == 1:
+        if PREFETCH_TILES >= 1:
+            acc += _weight_tile(x_rows, 0, K, BLOCK_K, "").to(tl.float32) * w_0.to(tl.float32)
+        if PREFETCH_TILES >= 2:
+            acc += _weight_tile(x_rows, 1, K, BLOCK_K, "").to(tl.float32) * w_1.to(tl.float32)
+        # With LOOP_STAGES > 1 Triton copies the next tiles into shared memory asynchronously
+        # while this one is summed: more bytes in flight a program without holding them in
+        # registers (it pipelines loads that feed no tl.dot only when the loop asks for it).
+        for k_start in tl.range(PREFETCH_TILES * BLOCK_K, K, BLOCK_K, num_stages=LOOP_STAGES):
+            ks = k_start + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w = tl.load(w_rows + ks[None, :], eviction_policy=W_EVICT)
+                x = tl.load(x_rows + ks[None, :]).to(tl.float32)
+            else:
+                k_mask = ks < K
+                w = tl.load(
+                    w_rows + ks[None, :], mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT
+                )
+                x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
             acc += x * w.to(tl.float32)
-        else:
-            acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
-    if BLOCK_M == 1:
         y = tl.sum(acc, axis=1)[None, :]
     else:
+        # Several rows: both tiles are loaded as 3D tensors that broadcast into one layout
+        # (threads and warps along K, rows and features in registers), so neither is
+        # converted in the loop.
+        x_rows = x_ptr + safe_rows[:, None, None] * stride_x_row
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        if PREFETCH_TILES >= 1:
+            acc = _rows_step(x_rows, w_0, 0, K, acc, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        if PREFETCH_TILES >= 2:
+            acc = _rows_step(x_rows, w_1, BLOCK_K, K, acc, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        for k_start in tl.range(PREFETCH_TILES * BLOCK_K, K, BLOCK_K, num_stages=LOOP_STAGES):
+            w = _tile_3d(w_rows, k_start, K, BLOCK_K, EVEN_K, W_EVICT)
+            acc = _rows_step(x_rows, w, k_start, K, acc, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
         y = tl.sum(acc, axis=2)
     if NORMED:
         y *= pending_norm.inverse_rms(square_sums, K, eps)[:, None]
@@ -257,6 +303,8 @@ def _gemv(
     feature tiles, and the third the output times ``norm_weight``."""
     num_rows, k = x.shape
     n = weight.shape[0]
+    if config.block_m > 1 and config.block_k % 8:
+        raise ValueError(f"a GEMV of {config.block_m} rows needs a K tile of a multiple of 8")
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out, None, None

@@ -9,6 +9,11 @@ e.g. ``"2560,4096=4,2048,8"``; ``num_stages`` is the weight tiles the K loop kee
 (1, no pipelining, when left out). ``PEGAINFER_GEMV_STAGES`` sets that depth for every
 one-row shape the overrides do not name.
 
+Two rows take the GEMV as well, both rows in each program (``rows_gemv_config``): on an
+H200 it beat the skinny GEMM on Qwen3-4B's qkv, o and down at two rows; from four rows its
+multiply-adds, eight per weight element at eight rows, cost more than the tensor cores' tile.
+``PEGAINFER_ROWS_GEMV=0`` sends two rows to the skinny GEMM too.
+
 2-64 rows take the skinny GEMM (kernels/skinny_gemm.py) or cuBLAS, per shape, from a table
 that ``tune_linear --emit-table`` writes for one kind of GPU: ``linear_tables/<GPU name>.json``
 beside this file, keyed by the padded row count (16, 32, 64), N, K and whether silu-and-mul
@@ -92,6 +97,31 @@ def gemv_config(n: int, k: int) -> LinearConfig:
         block_n *= 2
     stages = int(os.environ.get("PEGAINFER_GEMV_STAGES", GEMV_STAGES))
     return LinearConfig("gemv", block_n, block_k, 4 if block_k >= 1024 else 2, num_stages=stages)
+
+
+# The most rows the GEMV takes. Alone (tools/tune_linear's timing: CUDA graphs of 24 launches,
+# weights out of L2, H200, copy 4.17 TB/s), the GEMV with both rows in a program against the
+# skinny GEMM's table tile, us: at 2 rows qkv 9.7 / 11.8, o 7.6 / 8.8, down 14.2 / 17.3,
+# gate/up without its activation 25.4 / 25.7; at 4 rows 12.4 / 11.5, 8.4 / 8.7, 16.6 / 16.0,
+# 29.1 / 25.8; at 8 rows 16.3 / 10.8, 12.4 / 8.5, 24.7 / 15.9, 42.2 / 25.9.
+ROWS_GEMV_MAX_ROWS = 2
+
+
+def rows_gemv_config(num_rows: int, n: int, k: int) -> LinearConfig | None:
+    """The GEMV tile for 2 to ``ROWS_GEMV_MAX_ROWS`` rows, all in one program, or None. The
+    tile of the sweep above: two features by 1,024 of K (4 warps) for K of 4,096 and more,
+    four by 512 (2 warps) below, so that each thread's rows x features stay in registers."""
+    if not 1 < num_rows <= ROWS_GEMV_MAX_ROWS:
+        return None
+    if os.environ.get("PEGAINFER_ROWS_GEMV", "1") in ("0", "false", "off"):
+        return None
+    block_m = 1 << (num_rows - 1).bit_length()
+    if k >= 4096:
+        return LinearConfig("gemv", 2, 1024, 4, block_m=block_m, num_stages=1)
+    block_n = 4
+    while cdiv(n, block_n) > MAX_FEATURE_TILES:
+        block_n *= 2
+    return LinearConfig("gemv", block_n, 512, 2, block_m=block_m, num_stages=1)
 
 
 def skinny_rule(num_rows: int, n: int, k: int, silu_mul: bool = False) -> LinearConfig:
@@ -202,8 +232,6 @@ def prefetch_tiles(config: LinearConfig, k: int, after: str = AFTER_IDLE) -> int
     if after not in (AFTER_IDLE, AFTER_STREAM):
         raise ValueError(f"unknown prefetch {after!r}: want {AFTER_IDLE!r} or {AFTER_STREAM!r}")
     if config.kind == "gemv":
-        if config.block_m != 1:
-            return 0
         if after == AFTER_IDLE:
             tiles = int(os.environ.get("PEGAINFER_GEMV_PREFETCH_TILES", GEMV_PREFETCH_TILES))
         else:
@@ -227,6 +255,9 @@ def pick_config(num_rows: int, n: int, k: int) -> LinearConfig | None:
     """The Triton kernel for ``num_rows`` rows of an ``N x K`` weight; None: cuBLAS."""
     if num_rows == 1:
         return gemv_config(n, k)
+    rows_gemv = rows_gemv_config(num_rows, n, k)
+    if rows_gemv is not None:
+        return rows_gemv
     if num_rows <= MAX_ROWS:
         return skinny_config(num_rows, n, k)
     return None

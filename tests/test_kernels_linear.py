@@ -31,6 +31,7 @@ GEMV = [
     LinearConfig("gemv", block_n=2, block_k=32, num_warps=2, num_stages=4),
     LinearConfig("gemv", block_n=2, block_k=64, num_warps=2, block_m=2),
     LinearConfig("gemv", block_n=4, block_k=32, num_warps=4, block_m=8, num_stages=1),
+    LinearConfig("gemv", block_n=1, block_k=16, num_warps=1, block_m=4, num_stages=2),
 ]
 SKINNY = [
     LinearConfig("skinny", block_n=32, block_k=32, num_warps=4),
@@ -107,6 +108,23 @@ def test_dispatch_rules():
         assert not triton_handles(xg.float(), wg.float())  # float32: cuBLAS
 
 
+def test_two_rows_take_the_gemv_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("PEGAINFER_ROWS_GEMV", raising=False)
+    assert pick_config(2, 6144, 2560) == LinearConfig("gemv", 4, 512, 2, block_m=2, num_stages=1)
+    assert pick_config(2, 2560, 9728) == LinearConfig("gemv", 2, 1024, 4, block_m=2, num_stages=1)
+    assert pick_config(2, 151936, 2560).block_m == 2
+    assert pick_config(2, 400_000, 2560).block_n == 8  # within the grid's limit
+    assert pick_config(3, 2560, 4096).kind == "skinny"
+    monkeypatch.setenv("PEGAINFER_ROWS_GEMV", "0")
+    assert pick_config(2, 2560, 4096).kind == "skinny"
+
+
+def test_rows_gemv_needs_whole_vectors_of_k():
+    x, weight, _ = _inputs(2, 8, 64, torch.float16, 1, False)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        linear_triton(x, weight, None, LinearConfig("gemv", 2, 12, 1, block_m=2))
+
+
 def test_one_row_tiles_can_be_overridden_from_the_environment(monkeypatch):
     from kernels.linear_configs import gemv_tile_overrides
 
@@ -120,7 +138,8 @@ def test_one_row_tiles_can_be_overridden_from_the_environment(monkeypatch):
     monkeypatch.setenv("PEGAINFER_GEMV_STAGES", "3")
     assert pick_config(1, 2560, 4096) == LinearConfig("gemv", 2, 1024, 4, num_stages=3)
     assert pick_config(1, 48, 64) == LinearConfig("gemv", 8, 32, 2, num_stages=1)  # named
-    assert pick_config(2, 48, 64).kind == "skinny"  # and other row counts
+    assert pick_config(2, 48, 64) == LinearConfig("gemv", 4, 512, 2, block_m=2, num_stages=1)
+    assert pick_config(3, 48, 64).kind == "skinny"  # other row counts keep their rules
     x, weight, _ = _inputs(1, 48, 64, torch.bfloat16, 5, False)
     with poisoned():
         out = linear_triton(x, weight)  # the overridden tile

@@ -14,6 +14,7 @@ from triton_test_util import CUDA, DEVICE, check, gen, gpu_only, poisoned, randn
 
 import kernels
 from kernels.attention_merge import split_counters
+from kernels.backend import next_power_of_2
 from kernels.linear import (
     AFTER_IDLE,
     AFTER_STREAM,
@@ -42,10 +43,13 @@ EPS = 1e-6
 # Half precision in the interpreter: it truncates float32 -> bfloat16 instead of rounding.
 DTYPES = [torch.float16, torch.bfloat16] if CUDA else [torch.float16]
 # (rows, N, K, config): the one-row GEMV over several slot groups with a short last group,
-# and the skinny GEMM split or not, with an N its tile does not divide.
+# the GEMV of two or more rows, and the skinny GEMM split or not, with an N its tile does not
+# divide.
 PRODUCERS = [
     (1, 80, 96, LinearConfig("gemv", 2, 32, 1)),
     (1, 200, 64, LinearConfig("gemv", 1, 64, 1)),
+    (2, 72, 96, LinearConfig("gemv", 4, 32, 1, block_m=2)),
+    (3, 40, 80, LinearConfig("gemv", 2, 64, 2, block_m=4)),
     (2, 80, 96, LinearConfig("skinny", 16, 32, 4, 16, 3, 2)),
     (5, 72, 64, LinearConfig("skinny", 16, 32, 4, 16, 1, 2)),
     (20, 40, 128, LinearConfig("skinny", 32, 32, 4, 32, 2, 2)),
@@ -94,11 +98,13 @@ def test_producer_adds_the_residual_and_sums_the_squares(
     assert _counters_clear(), f"{what}: a group counter was left set"
 
 
-# Producers reading weight tiles before the PDL wait: the GEMV over three tiles and over a
-# partial third, the skinny GEMM at one tile a split and with a short last split.
+# Producers reading weight tiles before the PDL wait: the GEMV of one and of two rows over
+# three tiles and over a partial third, the skinny GEMM at one tile a split and with a short last split.
 PREFETCHED = [
     (1, 80, 96, LinearConfig("gemv", 2, 32, 1)),
     (1, 64, 80, LinearConfig("gemv", 2, 32, 1)),
+    (2, 40, 96, LinearConfig("gemv", 2, 32, 1, block_m=2)),
+    (2, 40, 80, LinearConfig("gemv", 2, 32, 1, block_m=2)),
     (2, 80, 96, LinearConfig("skinny", 16, 32, 4, 16, 3, 2)),
     (20, 40, 100, LinearConfig("skinny", 32, 32, 4, 32, 2, 2)),
 ]
@@ -134,7 +140,7 @@ def test_prefetch_tiles_stay_within_the_weight(monkeypatch):
     o_gemv = LinearConfig("gemv", 2, 1024, 4)
     assert prefetch_tiles(o_gemv, 4096) == GEMV_PREFETCH_TILES
     assert prefetch_tiles(o_gemv, 900) == 1  # all of K in one tile
-    assert prefetch_tiles(LinearConfig("gemv", 2, 64, 4, block_m=2), 4096) == 0
+    assert prefetch_tiles(LinearConfig("gemv", 2, 64, 4, block_m=2), 4096) == GEMV_PREFETCH_TILES
     o_skinny = LinearConfig("skinny", 64, 128, 4, 16, 3, 4)
     assert prefetch_tiles(o_skinny, 4096) == SKINNY_PREFETCH_TILES
     assert prefetch_tiles(o_skinny, 3 * 128) == 1  # one tile a split
@@ -158,7 +164,11 @@ def test_prefetch_tiles_stay_within_the_weight(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("producer", PRODUCERS[::2], ids=["gemv", "skinny_split", "skinny_rows32"])
+@pytest.mark.parametrize(
+    "producer",
+    [PRODUCERS[0], PRODUCERS[2], PRODUCERS[4], PRODUCERS[6]],
+    ids=["gemv", "gemv_rows2", "skinny_split", "skinny_rows32"],
+)
 def test_consumers_apply_the_pending_norm(dtype, producer):
     rows, n, _, config = producer
     pending, normed = _pending(rows, n, dtype, 3 * rows + n, config)
@@ -176,14 +186,17 @@ def test_consumers_apply_the_pending_norm(dtype, producer):
                 pending.weighted, gate_up, None, 16, 32, 3, silu_mul=True, normed=pending
             )
         split_one = skinny_gemm(pending.weighted, weight, None, 16, 32, 1, normed=pending)
+        rows_tile = LinearConfig("gemv", 2, 64, 2, block_m=next_power_of_2(rows))
+        rows_gemv = linear_triton(pending, weight, None, rows_tile)
     check(out, linear_ref(normed, weight), f"{what}: projection")
+    check(rows_gemv, linear_ref(normed, weight), f"{what}: GEMV of {rows_tile.block_m} rows")
     check(split_one, linear_ref(normed, weight), f"{what}: skinny, one split")
     check(fused, linear_silu_and_mul_ref(normed, gate_up), f"{what}: silu-and-mul")
     assert _counters_clear()
 
 
 def test_consumer_with_bias_adds_it_after_the_norm():
-    pending, normed = _pending(3, 64, torch.float16, 17, PRODUCERS[3][3])
+    pending, normed = _pending(3, 64, torch.float16, 17, PRODUCERS[5][3])
     weight = randn(24, 64, g=gen(18), dtype=torch.float16, scale=0.125)
     bias = randn(24, g=gen(19), dtype=torch.float16)
     for config in (LinearConfig("skinny", 16, 32, 4, 16, 1, 2), LinearConfig("gemv", 4, 32, 1)):
@@ -219,7 +232,7 @@ def test_one_row_consumers_load_at_least_a_slot_a_thread():
 
 
 def test_materialize_is_the_plain_norm():
-    pending, _ = _pending(4, 64, torch.float16, 23, PRODUCERS[3][3])
+    pending, _ = _pending(4, 64, torch.float16, 23, PRODUCERS[5][3])
     want = rms_norm_ref(pending.hidden, pending.weight, EPS)
     check(pending.materialize(), want, "materialize")
     check(as_tensor(pending), want, "as_tensor")
