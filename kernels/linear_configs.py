@@ -105,6 +105,7 @@ def gemv_config(n: int, k: int) -> LinearConfig:
 # gate/up without its activation 25.4 / 25.7; at 4 rows 12.4 / 11.5, 8.4 / 8.7, 16.6 / 16.0,
 # 29.1 / 25.8; at 8 rows 16.3 / 10.8, 12.4 / 8.5, 24.7 / 15.9, 42.2 / 25.9.
 ROWS_GEMV_MAX_ROWS = 2
+ROWS_GEMV_STAGES = 1
 
 
 def rows_gemv_config(num_rows: int, n: int, k: int) -> LinearConfig | None:
@@ -116,12 +117,13 @@ def rows_gemv_config(num_rows: int, n: int, k: int) -> LinearConfig | None:
     if os.environ.get("PEGAINFER_ROWS_GEMV", "1") in ("0", "false", "off"):
         return None
     block_m = 1 << (num_rows - 1).bit_length()
+    stages = int(os.environ.get("PEGAINFER_ROWS_GEMV_STAGES", ROWS_GEMV_STAGES))
     if k >= 4096:
-        return LinearConfig("gemv", 2, 1024, 4, block_m=block_m, num_stages=1)
+        return LinearConfig("gemv", 2, 1024, 4, block_m=block_m, num_stages=stages)
     block_n = 4
     while cdiv(n, block_n) > MAX_FEATURE_TILES:
         block_n *= 2
-    return LinearConfig("gemv", block_n, 512, 2, block_m=block_m, num_stages=1)
+    return LinearConfig("gemv", block_n, 512, 2, block_m=block_m, num_stages=stages)
 
 
 def skinny_rule(num_rows: int, n: int, k: int, silu_mul: bool = False) -> LinearConfig:
