@@ -323,6 +323,7 @@ def _gemv(
         tile_sums = torch.empty((num_rows, grid[1]), dtype=torch.float32, device=x.device)
         counters = split_counters(grid[0] * num_groups, x.device)
     with_pdl = use_pdl(x)
+    rows, added = config.block_m > 1, residual is not None
     _gemv_kernel[grid](
         x,
         weight,
@@ -357,7 +358,14 @@ def _gemv(
         W_EVICT=weight_eviction(),
         USE_PDL=with_pdl,
         LAUNCH_SUCCESSOR=pdl.launch_successor(
-            with_pdl, "gemv_add" if residual is not None else "gemv"
+            with_pdl,
+            "rows_gemv_add"
+            if rows and added
+            else "rows_gemv"
+            if rows
+            else "gemv_add"
+            if added
+            else "gemv",
         ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

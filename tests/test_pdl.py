@@ -109,9 +109,10 @@ def _run(fn: Callable[[], torch.Tensor], graph: bool) -> torch.Tensor:
 
 @needs_hopper
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_layer_chain_same_with_and_without_pdl(pdl_switch, graph):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_layer_chain_same_with_and_without_pdl(pdl_switch, graph, rows):
     weights = _chain_weights(2048, 4096, layers=12, device="cuda")
-    x = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
+    x = torch.randn(rows, 2048, device="cuda").to(torch.bfloat16)
     outputs = {}
     for on in (False, True):
         pdl_switch(on)
@@ -121,7 +122,7 @@ def test_layer_chain_same_with_and_without_pdl(pdl_switch, graph):
 
 
 @needs_hopper
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 2, 8])
 def test_layer_chain_same_whichever_kernels_launch_late(monkeypatch, rows):
     """Letting the successor launch only at the end is the conservative order: any choice of
     late launchers gives the same bits as the default."""
@@ -141,7 +142,9 @@ def test_layer_chain_same_whichever_kernels_launch_late(monkeypatch, rows):
 def test_late_launchers_default_list_and_errors(monkeypatch):
     monkeypatch.delenv("PEGAINFER_LATE_LAUNCH", raising=False)
     assert not pdl.launches_successor_early("skinny_add")
+    assert not pdl.launches_successor_early("rows_gemv_add")
     assert pdl.launches_successor_early("skinny") and pdl.launches_successor_early("gemv_add")
+    assert pdl.launches_successor_early("rows_gemv")
     monkeypatch.setenv("PEGAINFER_LATE_LAUNCH", "none")
     assert all(pdl.launches_successor_early(name) for name in pdl.LAUNCHING_KERNELS)
     monkeypatch.setenv("PEGAINFER_LATE_LAUNCH", " Decode_Attention, rotary ")
