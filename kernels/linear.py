@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import attention_merge, pdl, pending_norm
+from kernels import pdl, pending_norm, rows_tile
 from kernels.attention_merge import split_counters
 from kernels.backend import cdiv, load_triton, triton_jit, use_pdl, use_triton, weight_eviction
 from kernels.pending_norm import PendingNorm, as_tensor
@@ -87,39 +87,6 @@ def _weight_tile(rows, index, K, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton_jit
-def _tile_3d(base, k_start, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
-    """The ``[rows or 1, features or 1, BLOCK_K]`` tile at ``k_start`` of ``base``, a
-    ``[rows or 1, features or 1, 1]`` tensor of row pointers."""
-    ks = k_start + tl.arange(0, BLOCK_K)[None, None, :]
-    if EVEN_K:
-        tile = tl.load(base + ks, eviction_policy=EVICT)
-    else:
-        tile = tl.load(base + ks, mask=ks < K, other=0.0, eviction_policy=EVICT)
-    return tile
-
-
-@triton_jit
-def _rows_step(
-    x_rows,
-    w,
-    k_start,
-    K,
-    acc,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """``acc [BLOCK_M, BLOCK_N, BLOCK_K // 8]`` plus the products of the K step at
-    ``k_start`` with its weight tile ``w [1, BLOCK_N, BLOCK_K]``. Each thread holds 8
-    consecutive K of a tile (one 16-byte load), so summing them is a reduction inside the
-    thread, and the accumulator stays 8 times smaller than the tile."""
-    x = _tile_3d(x_rows, k_start, K, BLOCK_K, EVEN_K, "").to(tl.float32)
-    products = tl.reshape(x * w.to(tl.float32), [BLOCK_M, BLOCK_N, BLOCK_K // 8, 8])
-    return acc + tl.sum(products, axis=3)
-
-
-@triton_jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -176,9 +143,9 @@ def _gemv_kernel(
     else:
         w_rows = w_ptr + safe_features[None, :, None] * stride_w_row
         if PREFETCH_TILES >= 1:
-            w_0 = _tile_3d(w_rows, 0, K, BLOCK_K, EVEN_K, W_EVICT)
+            w_0 = rows_tile.tile_3d(w_rows, 0, K, BLOCK_K, EVEN_K, W_EVICT)
         if PREFETCH_TILES >= 2:
-            w_1 = _tile_3d(w_rows, BLOCK_K, K, BLOCK_K, EVEN_K, W_EVICT)
+            w_1 = rows_tile.tile_3d(w_rows, BLOCK_K, K, BLOCK_K, EVEN_K, W_EVICT)
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     if NORMED:
         square_sums = pending_norm.load_square_sums(
@@ -218,12 +185,14 @@ def _gemv_kernel(
         x_rows = x_ptr + safe_rows[:, None, None] * stride_x_row
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
         if PREFETCH_TILES >= 1:
-            acc = _rows_step(x_rows, w_0, 0, K, acc, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+            acc = rows_tile.rows_step(x_rows, w_0, 0, K, acc, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
         if PREFETCH_TILES >= 2:
-            acc = _rows_step(x_rows, w_1, BLOCK_K, K, acc, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+            acc = rows_tile.rows_step(
+                x_rows, w_1, BLOCK_K, K, acc, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K
+            )
         for k_start in tl.range(PREFETCH_TILES * BLOCK_K, K, BLOCK_K, num_stages=LOOP_STAGES):
-            w = _tile_3d(w_rows, k_start, K, BLOCK_K, EVEN_K, W_EVICT)
-            acc = _rows_step(x_rows, w, k_start, K, acc, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+            w = rows_tile.tile_3d(w_rows, k_start, K, BLOCK_K, EVEN_K, W_EVICT)
+            acc = rows_tile.rows_step(x_rows, w, k_start, K, acc, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
         y = tl.sum(acc, axis=2)
     if NORMED:
         y *= pending_norm.inverse_rms(square_sums, K, eps)[:, None]
@@ -236,46 +205,11 @@ def _gemv_kernel(
         squares = pending_norm.add_residual_and_square(
             y, residual_ptr + offsets, out_ptr + offsets, norm_w, weighted_ptr + offsets, mask, 1
         )
-        _sum_group_squares(
+        pending_norm.sum_group_squares(
             squares, rows, row_mask, tile_sums_ptr, out_sums_ptr, counters_ptr, GROUP_TILES
         )
     else:
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton_jit
-def _sum_group_squares(
-    squares, rows, row_mask, tile_sums_ptr, out_sums_ptr, counters_ptr, GROUP_TILES: tl.constexpr
-):
-    """Put this feature tile's per-row sums of squares in its slot; the last tile of each
-    group of ``GROUP_TILES`` to finish adds the group's slots and writes the group's slot of
-    ``out_sums [M, groups]``. A one-row GEMV has over a thousand tiles: the consumer then
-    reads one slot per group, not per tile."""
-    tile = tl.program_id(1)
-    num_tiles = tl.num_programs(1)
-    num_groups = (num_tiles + GROUP_TILES - 1) // GROUP_TILES
-    group = tile // GROUP_TILES
-    tile_rows = rows.to(tl.int64) * num_tiles
-    if GROUP_TILES == 1:
-        tl.store(out_sums_ptr + tile_rows + tile, squares, mask=row_mask)
-        return
-    tl.store(tile_sums_ptr + tile_rows + tile, squares, mask=row_mask)
-    counter = counters_ptr + tl.program_id(0) * num_groups + group
-    in_group = tl.minimum(GROUP_TILES, num_tiles - group * GROUP_TILES)
-    if attention_merge.arrive_last(counter, in_group):
-        members = group * GROUP_TILES + tl.arange(0, GROUP_TILES)
-        parts = tl.load(
-            tile_sums_ptr + tile_rows[:, None] + members[None, :],
-            mask=row_mask[:, None] & (members < num_tiles)[None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        tl.store(
-            out_sums_ptr + rows.to(tl.int64) * num_groups + group,
-            tl.sum(parts, axis=1),
-            mask=row_mask,
-        )
-        tl.store(counter, 0)  # ready for the next launch (or graph replay)
 
 
 def in_groups_block(normed: PendingNorm | None, config: LinearConfig) -> int:

@@ -12,7 +12,8 @@ one-row shape the overrides do not name.
 Two rows take the GEMV as well, both rows in each program (``rows_gemv_config``): on an
 H200 it beat the skinny GEMM on Qwen3-4B's qkv, o and down at two rows; from four rows its
 multiply-adds, eight per weight element at eight rows, cost more than the tensor cores' tile.
-``PEGAINFER_ROWS_GEMV=0`` sends two rows to the skinny GEMM too.
+``PEGAINFER_ROWS_GEMV=0`` sends two rows to the skinny GEMM too (``linear``: all but the
+gate/up projection fused with silu-and-mul).
 
 2-64 rows take the skinny GEMM (kernels/skinny_gemm.py) or cuBLAS, per shape, from a table
 that ``tune_linear --emit-table`` writes for one kind of GPU: ``linear_tables/<GPU name>.json``
@@ -108,13 +109,23 @@ ROWS_GEMV_MAX_ROWS = 2
 ROWS_GEMV_STAGES = 1
 
 
+def rows_gemv_setting() -> str:
+    """``PEGAINFER_ROWS_GEMV``: ``all`` (the default: the projections and the gate/up
+    projection fused with silu-and-mul), ``linear`` (the plain projections only; gate/up
+    keeps the skinny GEMM) or ``off`` (0)."""
+    setting = os.environ.get("PEGAINFER_ROWS_GEMV", "all").lower()
+    if setting in ("0", "false", "off"):
+        return "off"
+    if setting not in ("all", "1", "linear"):
+        raise ValueError(f"PEGAINFER_ROWS_GEMV={setting!r}: want all, linear or off")
+    return "linear" if setting == "linear" else "all"
+
+
 def rows_gemv_config(num_rows: int, n: int, k: int) -> LinearConfig | None:
     """The GEMV tile for 2 to ``ROWS_GEMV_MAX_ROWS`` rows, all in one program, or None. The
     tile of the sweep above: two features by 1,024 of K (4 warps) for K of 4,096 and more,
     four by 512 (2 warps) below, so that each thread's rows x features stay in registers."""
-    if not 1 < num_rows <= ROWS_GEMV_MAX_ROWS:
-        return None
-    if os.environ.get("PEGAINFER_ROWS_GEMV", "1") in ("0", "false", "off"):
+    if not 1 < num_rows <= ROWS_GEMV_MAX_ROWS or rows_gemv_setting() == "off":
         return None
     block_m = 1 << (num_rows - 1).bit_length()
     stages = int(os.environ.get("PEGAINFER_ROWS_GEMV_STAGES", ROWS_GEMV_STAGES))

@@ -84,6 +84,7 @@ LAUNCHING_KERNELS = (
     "gemv_silu",
     "rows_gemv",
     "rows_gemv_add",
+    "rows_gemv_silu",
     "skinny",
     "skinny_add",
 )

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import attention_merge
 from kernels.backend import next_power_of_2, triton_jit
 from kernels.rmsnorm import rms_norm
 
@@ -122,3 +123,38 @@ def load_square_sums(sums_ptr, rows, row_mask, num_groups, stride_sums_row, GROU
 def inverse_rms(square_sums, hidden, eps):
     """``1 / sqrt(mean square + eps)`` of each row, from ``load_square_sums``."""
     return 1.0 / tl.sqrt(tl.sum(square_sums, axis=1) / hidden + eps)
+
+
+@triton_jit
+def sum_group_squares(
+    squares, rows, row_mask, tile_sums_ptr, out_sums_ptr, counters_ptr, GROUP_TILES: tl.constexpr
+):
+    """Put this feature tile's per-row sums of squares in its slot; the last tile of each
+    group of ``GROUP_TILES`` to finish adds the group's slots and writes the group's slot of
+    ``out_sums [M, groups]``. A one-row GEMV has over a thousand tiles: the consumer then
+    reads one slot per group, not per tile."""
+    tile = tl.program_id(1)
+    num_tiles = tl.num_programs(1)
+    num_groups = (num_tiles + GROUP_TILES - 1) // GROUP_TILES
+    group = tile // GROUP_TILES
+    tile_rows = rows.to(tl.int64) * num_tiles
+    if GROUP_TILES == 1:
+        tl.store(out_sums_ptr + tile_rows + tile, squares, mask=row_mask)
+        return
+    tl.store(tile_sums_ptr + tile_rows + tile, squares, mask=row_mask)
+    counter = counters_ptr + tl.program_id(0) * num_groups + group
+    in_group = tl.minimum(GROUP_TILES, num_tiles - group * GROUP_TILES)
+    if attention_merge.arrive_last(counter, in_group):
+        members = group * GROUP_TILES + tl.arange(0, GROUP_TILES)
+        parts = tl.load(
+            tile_sums_ptr + tile_rows[:, None] + members[None, :],
+            mask=row_mask[:, None] & (members < num_tiles)[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        tl.store(
+            out_sums_ptr + rows.to(tl.int64) * num_groups + group,
+            tl.sum(parts, axis=1),
+            mask=row_mask,
+        )
+        tl.store(counter, 0)  # ready for the next launch (or graph replay)

@@ -1,5 +1,5 @@
-"""The one-row gate/up GEMV ending in silu-and-mul (kernels/linear_fused.py) against its
-reference, and its dispatch. Fresh random inputs each run (seed in messages).
+"""The gate/up GEMV ending in silu-and-mul (kernels/linear_fused.py), of one row and of
+several, against its reference, and its dispatch. Fresh random inputs each run (seed in messages).
 """
 
 from __future__ import annotations
@@ -8,12 +8,16 @@ import pytest
 import torch
 from triton_test_util import CUDA, DEVICE, check, gen, poisoned, randn, requires_triton
 
+from kernels.linear import LinearConfig, linear_add_residual_triton
 from kernels.linear_fused import (
     fusion_enabled,
     linear_silu_and_mul,
     linear_silu_and_mul_ref,
+    linear_silu_and_mul_rows,
     linear_silu_and_mul_triton,
+    rows_fusion_config,
 )
+from kernels.pending_norm import PendingNorm
 
 pytestmark = requires_triton
 
@@ -83,3 +87,70 @@ def test_dispatch_fuses_only_one_cuda_row(monkeypatch):
         assert not fusion_enabled(torch.zeros(2, 8, dtype=torch.bfloat16, device=DEVICE), wg)
         monkeypatch.setenv("PEGAINFER_FUSED_GEMV", "0")
         assert not fusion_enabled(xg, wg)
+
+
+# (rows, tile): two rows in a tile of two, three in a tile of four; tiles of several K steps.
+ROW_TILES = [
+    (2, LinearConfig("gemv", 2, 32, 1, block_m=2, num_stages=1)),
+    (3, LinearConfig("gemv", 1, 64, 2, block_m=4, num_stages=2)),
+]
+
+
+def _truncated_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The reference, or on CPU in bfloat16 the interpreter's truncating casts (see above)."""
+    if CUDA or x.dtype != torch.bfloat16:
+        return linear_silu_and_mul_ref(x, weight)
+    gate, up = _truncated(x.float() @ weight.float().T).chunk(2, dim=-1)
+    return _truncated(torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows,config", ROW_TILES)
+def test_rows_silu_and_mul_matches_reference(dtype, n, k, rows, config):
+    g = gen(n + k + rows)
+    x = randn(rows, k, g=g, dtype=dtype)
+    weight = randn(2 * n, k, g=g, dtype=dtype, scale=k**-0.5)
+    with poisoned():
+        out = linear_silu_and_mul_rows(x, weight, config)
+    check(out, _truncated_reference(x, weight), f"{rows} rows n={n} k={k} {config}")
+
+
+def test_rows_silu_and_mul_applies_a_pending_norm():
+    dtype = torch.float16
+    rows, hidden, n = 2, 48, 24
+    g = gen(31)
+    x = randn(rows, 40, g=g, dtype=dtype)
+    o_weight = randn(hidden, 40, g=g, dtype=dtype, scale=40**-0.5)
+    residual = randn(rows, hidden, g=g, dtype=dtype)
+    norm_weight = (1.0 + 0.3 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
+    producer = LinearConfig("gemv", 4, 32, 1, block_m=2, num_stages=1)
+    stream, sums, weighted = linear_add_residual_triton(
+        x, o_weight, residual, norm_weight, producer
+    )
+    pending = PendingNorm(stream, norm_weight, 1e-6, sums, weighted)
+    gate_up = randn(2 * n, hidden, g=g, dtype=dtype, scale=hidden**-0.5)
+    with poisoned():
+        out = linear_silu_and_mul_rows(pending, gate_up, ROW_TILES[0][1])
+    check(out, linear_silu_and_mul_ref(pending.materialize(), gate_up), "pending norm")
+
+
+def test_rows_fusion_takes_two_cuda_rows(monkeypatch):
+    monkeypatch.delenv("PEGAINFER_ROWS_GEMV", raising=False)
+    weight = torch.zeros(2 * 9728, 2560, dtype=torch.bfloat16)
+    assert rows_fusion_config(torch.zeros(2, 2560, dtype=torch.bfloat16), weight) is None  # CPU
+    if not CUDA:
+        return
+    weight = weight.to(DEVICE)
+    two = torch.zeros(2, 2560, dtype=torch.bfloat16, device=DEVICE)
+    assert rows_fusion_config(two, weight) == LinearConfig("gemv", 2, 512, 2, 2, num_stages=1)
+    assert rows_fusion_config(two[:1], weight) is None
+    assert (
+        rows_fusion_config(torch.zeros(3, 2560, dtype=torch.bfloat16, device=DEVICE), weight)
+        is None
+    )
+    monkeypatch.setenv("PEGAINFER_ROWS_GEMV", "linear")
+    assert rows_fusion_config(two, weight) is None
+    monkeypatch.setenv("PEGAINFER_ROWS_GEMV", "sometimes")
+    with pytest.raises(ValueError, match="PEGAINFER_ROWS_GEMV"):
+        rows_fusion_config(two, weight)
