@@ -3,11 +3,12 @@
 At decode batch sizes a linear layer reads the whole weight to produce a handful of rows,
 so its speed is the weight's bytes over the memory bandwidth. Two Triton kernels cover it:
 
-- ``_gemv_kernel`` (CUDA cores), for one row: each program owns ``BLOCK_N`` output features
-  of ``BLOCK_M`` rows, streams their weight rows in ``BLOCK_K`` chunks and keeps a float32
-  partial product per element, reduced once at the end. Small ``BLOCK_N`` gives thousands
-  of programs, enough loads in flight to saturate HBM with no split over K.
-- ``kernels/skinny_gemm.py`` (tensor cores), for 2-64 rows: weight tiles on the product's
+- ``_gemv_kernel`` (CUDA cores), for one or two rows: each program owns ``BLOCK_N`` output
+  features of ``BLOCK_M`` rows, streams their weight rows in ``BLOCK_K`` chunks and keeps a
+  float32 partial product per element, reduced once at the end. Small ``BLOCK_N`` gives
+  thousands of programs, enough loads in flight to saturate HBM with no split over K. Its
+  multiply-adds grow with the rows: from four rows they cost more than the tensor cores'.
+- ``kernels/skinny_gemm.py`` (tensor cores), for 3-64 rows: weight tiles on the product's
   long side, a split over K merged by the last program of each tile.
 
 ``linear_ref`` is the reference (``torch.nn.functional.linear``); ``linear`` dispatches:

@@ -100,11 +100,16 @@ def gemv_config(n: int, k: int) -> LinearConfig:
     return LinearConfig("gemv", block_n, block_k, 4 if block_k >= 1024 else 2, num_stages=stages)
 
 
-# The most rows the GEMV takes. Alone (tools/tune_linear's timing: CUDA graphs of 24 launches,
-# weights out of L2, H200, copy 4.17 TB/s), the GEMV with both rows in a program against the
-# skinny GEMM's table tile, us: at 2 rows qkv 9.7 / 11.8, o 7.6 / 8.8, down 14.2 / 17.3,
-# gate/up without its activation 25.4 / 25.7; at 4 rows 12.4 / 11.5, 8.4 / 8.7, 16.6 / 16.0,
-# 29.1 / 25.8; at 8 rows 16.3 / 10.8, 12.4 / 8.5, 24.7 / 15.9, 42.2 / 25.9.
+# The most rows the GEMV takes, and its K-loop stages. On an H200 (Qwen3-4B), timed alone as
+# tools/tune_linear does (CUDA graphs of 24 launches, weights out of L2) but without PDL, the
+# GEMV with all rows in a program against the skinny GEMM's table tile, us: at 2 rows qkv
+# 9.7 / 11.8, o 7.6 / 8.8, down 14.2 / 17.3, gate/up without its activation 25.4 / 25.7; at 4
+# rows 12.4 / 11.5, 8.4 / 8.7, 16.6 / 16.0, 29.1 / 25.8; at 8 rows 16.3 / 10.8, 12.4 / 8.5,
+# 24.7 / 15.9, 42.2 / 25.9. With PDL, in tune_linear's chain of one kernel, the 2-row qkv took
+# 12.7-13.1 us (9.6 without): each launch's programs then wait beside the one before. In whole
+# decode steps of two sequences (in process, alternated) 2.82 ms against 3.13 with the skinny
+# GEMM. 1, 2 and 3 stages took alike alone (qkv 13.1 / 12.2 / 12.7 us with PDL) and in steps
+# (3.38 / 3.38 ms at 1 / 3, before the successor launched late).
 ROWS_GEMV_MAX_ROWS = 2
 ROWS_GEMV_STAGES = 1
 
