@@ -213,19 +213,27 @@ def fusion_enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dim() == 2 and x.shape[0] == 1 and triton_handles(x, weight)
 
 
-def rows_fusion_config(x: torch.Tensor, weight: torch.Tensor) -> LinearConfig | None:
-    """The tile of the fused GEMV of several rows for ``x``, or None: the plain projection's
-    tile from ``rows_gemv_config`` with half its features, each a gate row and an up row."""
+def rows_fusion_tile(num_rows: int, n: int, k: int) -> LinearConfig | None:
+    """The tile of the fused GEMV of several rows for ``num_rows`` rows of an ``[gate | up]``
+    weight of ``n x k``, or None: the plain projection's tile from ``rows_gemv_config`` with
+    half its features, each a gate row and an up row."""
     from kernels.linear_configs import rows_gemv_config, rows_gemv_setting
 
     if os.environ.get("PEGAINFER_FUSED_GEMV", "1") in ("0", "false", "off"):
         return None
-    if rows_gemv_setting() != "all" or x.dim() != 2 or not triton_eligible(x, weight):
+    if rows_gemv_setting() != "all":
         return None
-    config = rows_gemv_config(x.shape[0], *weight.shape)
+    config = rows_gemv_config(num_rows, n, k)
     if config is None:
         return None
     return dataclasses.replace(config, block_n=max(1, config.block_n // 2))
+
+
+def rows_fusion_config(x: torch.Tensor, weight: torch.Tensor) -> LinearConfig | None:
+    """``rows_fusion_tile`` for ``x``'s rows where the Triton kernels can take them."""
+    if x.dim() != 2 or not triton_eligible(x, weight):
+        return None
+    return rows_fusion_tile(x.shape[0], *weight.shape)
 
 
 def linear_silu_and_mul_rows(

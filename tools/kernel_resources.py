@@ -12,8 +12,9 @@ what limit, and how many rounds its grid takes on ``--sms`` SMs: what decides wh
 kernel's programs can sit beside another's (kernels/pdl.py). Figures are those of the
 installed Triton; the device's may differ by a few registers.
 
-The one-row shapes take the GEMV; 2-64 rows take the skinny GEMM with the tile of
-``--table`` (the H200 table by default), or cuBLAS, which is left out.
+Each shape takes the kernel and tile the engine picks: the GEMV at one and two rows; at 3-64
+rows the skinny GEMM with the tile of ``--table`` (the H200 table by default), or cuBLAS,
+which is left out.
 """
 
 from __future__ import annotations
@@ -196,7 +197,11 @@ def decode_step_launches(
         linear_triton,
     )
     from kernels.linear_configs import pick_config, skinny_config
-    from kernels.linear_fused import linear_silu_and_mul_triton
+    from kernels.linear_fused import (
+        linear_silu_and_mul_rows,
+        linear_silu_and_mul_triton,
+        rows_fusion_tile,
+    )
     from kernels.pending_norm import PendingNorm
     from kernels.rotary import rotary_and_store_kv_triton
     from kernels.skinny_gemm import skinny_gemm_with
@@ -275,6 +280,8 @@ def decode_step_launches(
         gate_up = _empty(2 * inter, hidden)
         if rows == 1:
             step("gate_up", lambda: linear_silu_and_mul_triton(pending(), gate_up))
+        elif (rows_config := rows_fusion_tile(rows, inter * 2, hidden)) is not None:
+            step("gate_up", lambda: linear_silu_and_mul_rows(pending(), gate_up, rows_config))
         elif (config := skinny_config(rows, inter * 2, hidden, True)) is not None:
             step(
                 "gate_up",
