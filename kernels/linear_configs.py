@@ -227,6 +227,11 @@ def skinny_config(num_rows: int, n: int, k: int, silu_mul: bool = False) -> Line
 GEMV_PREFETCH_TILES = 2
 SKINNY_PREFETCH_TILES = 2
 MAX_PREFETCH_TILES = 2
+# The GEMV of two rows reads one: with two, the o projection's 2-row programs need 56
+# registers, 9 a SM, and 1,280 of them no longer fit the GPU at once (48 registers, 10 a SM,
+# with one). Steps of two sequences took 2.78 ms with one against 2.82 with two (in process,
+# alternated).
+ROWS_GEMV_PREFETCH_TILES = 1
 # After a bandwidth-bound GEMV (down, after gate/up), one one-row tile fills the gap between
 # the two kernels' streams: with the weights' loads marked evict_first, batch-1 steps at
 # context 128 / 4k took 2.35 / 2.63 ms against 2.38 / 2.66 with none (H200, Qwen3-4B, two
@@ -251,7 +256,8 @@ def prefetch_tiles(config: LinearConfig, k: int, after: str = AFTER_IDLE) -> int
         raise ValueError(f"unknown prefetch {after!r}: want {AFTER_IDLE!r} or {AFTER_STREAM!r}")
     if config.kind == "gemv":
         if after == AFTER_IDLE:
-            tiles = int(os.environ.get("PEGAINFER_GEMV_PREFETCH_TILES", GEMV_PREFETCH_TILES))
+            rule = GEMV_PREFETCH_TILES if config.block_m == 1 else ROWS_GEMV_PREFETCH_TILES
+            tiles = int(os.environ.get("PEGAINFER_GEMV_PREFETCH_TILES", rule))
         else:
             tiles = int(
                 os.environ.get("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", GEMV_STREAM_PREFETCH_TILES)
