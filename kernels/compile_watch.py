@@ -45,11 +45,12 @@ class LateCompiles:
         self.compiles.append((kernel, ms))
         logger.warning(
             "%s: Triton compiled a variant of %s after start-up, in %.0f ms; the step that "
-            "launched it waited (%d late compiles so far)",
+            "launched it waited (%d late compiles so far); variant: %s",
             self.name,
             kernel,
             ms,
             len(self.compiles),
+            variant(hook_args),
         )
 
     def summary(self) -> str:
@@ -67,6 +68,16 @@ def kernel_name(hook_args: dict[str, Any]) -> str:
     if name:
         return str(name)
     return str(hook_args.get("repr", "?")).split("[", 1)[0]
+
+
+def variant(hook_args: dict[str, Any]) -> str:
+    """What tells this variant from the kernel's others: the launch options and each
+    argument's type as Triton specialized it (``i32D``: divisible by 16), from the hook's
+    ``repr``, so that the shape or path start-up missed can be found."""
+    text = str(hook_args.get("repr", ""))
+    options, _, arguments = text.partition("](")
+    options = options.partition("[")[2]
+    return f"[{options}] ({arguments}" if arguments else text or "?"
 
 
 _watch: LateCompiles | None = None

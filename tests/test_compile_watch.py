@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import compile_watch
-from kernels.compile_watch import kernel_name, watch_late_compiles
+from kernels.compile_watch import kernel_name, variant, watch_late_compiles
 
 
 @pytest.fixture(autouse=True)
@@ -33,12 +33,14 @@ def test_each_compile_is_logged_with_its_kernel_and_counted(caplog):
     with caplog.at_level(logging.WARNING, logger="kernels.compile_watch"):
         for kernel in ("_skinny_gemm_kernel", "_rotary_kernel"):
             assert runtime.jit_cache_hook(key=1, repr=f"{kernel}[num_warps=4]()", fn=None) is None
-            runtime.jit_post_compile_hook(key=1, repr="", fn=_jit_info(kernel))
+            runtime.jit_post_compile_hook(
+                key=1, repr=f"{kernel}[num_warps=4](num_rows: i32D)", fn=_jit_info(kernel)
+            )
     assert [kernel for kernel, _ in watch.compiles] == ["_skinny_gemm_kernel", "_rotary_kernel"]
     assert all(ms >= 0 for _, ms in watch.compiles)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "worker-0: Triton compiled a variant of _rotary_kernel" in lines[1]
-    assert "(2 late compiles so far)" in lines[1]
+    assert "(2 late compiles so far); variant: [num_warps=4] (num_rows: i32D)" in lines[1]
     summary = watch.summary()
     assert summary.startswith("2 Triton compiles after start-up") and "_rotary_kernel" in summary
 
@@ -62,6 +64,16 @@ def test_one_watch_per_process_and_none_without_hooks():
     assert watch_late_compiles("b", runtime) is first
     compile_watch._watch = None
     assert watch_late_compiles("c", types.SimpleNamespace()) is None
+
+
+def test_variant_shows_the_options_and_the_specialized_arguments():
+    text = "_rms_norm_kernel[num_warps=8, num_stages=3](x_ptr: *bf16, num_rows: i32, hidden: i32D)"
+    assert (
+        variant({"repr": text})
+        == "[num_warps=8, num_stages=3] (x_ptr: *bf16, num_rows: i32, hidden: i32D)"
+    )
+    assert variant({"repr": "odd"}) == "odd"
+    assert variant({}) == "?"
 
 
 def test_kernel_name_falls_back_to_the_repr():
