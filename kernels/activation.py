@@ -18,7 +18,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(x32[..., :half]) * x32[..., half:]).to(x.dtype)
 
 
-@triton_jit
+# The row count is not specialized, for the reason given in kernels/rmsnorm.py.
+@triton_jit(do_not_specialize=("num_rows",))
 def _silu_and_mul_kernel(
     x_ptr,
     out_ptr,

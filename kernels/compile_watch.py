@@ -71,13 +71,27 @@ def kernel_name(hook_args: dict[str, Any]) -> str:
 
 
 def variant(hook_args: dict[str, Any]) -> str:
-    """What tells this variant from the kernel's others: the launch options and each
-    argument's type as Triton specialized it (``i32D``: divisible by 16), from the hook's
-    ``repr``, so that the shape or path start-up missed can be found."""
-    text = str(hook_args.get("repr", ""))
-    options, _, arguments = text.partition("](")
-    options = options.partition("[")[2]
-    return f"[{options}] ({arguments}" if arguments else text or "?"
+    """What tells this variant from the kernel's others: each argument's type as Triton
+    specialized it (``i32/16``: known divisible by 16; a constant: its value) and the launch
+    options, from the hook's ``compile`` record, so that the shape or path start-up missed
+    can be found. Without that record, the hook's ``repr``."""
+    record = hook_args.get("compile")
+    if not isinstance(record, dict) or not isinstance(record.get("signature"), dict):
+        return str(hook_args.get("repr", "?"))
+    signature: dict[str, Any] = record["signature"]
+    configs = record.get("configs") or [{}]
+    attrs = configs[0] if isinstance(configs[0], dict) else {}
+    constants = record.get("constants") or {}
+    parts = []
+    for index, (name, kind) in enumerate(signature.items()):
+        if kind == "constexpr":
+            value = constants.get(name, constants.get((index,), "?"))
+            parts.append(f"{name}={value}")
+            continue
+        hints = str(attrs.get((index,), ""))
+        parts.append(f"{name}: {kind}" + ("/16" if "tt.divisibility" in hints else ""))
+    options = f"num_warps={record.get('num_warps')}, num_stages={record.get('num_stages')}"
+    return f"({', '.join(parts)}) [{options}]"
 
 
 _watch: LateCompiles | None = None

@@ -33,7 +33,10 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
-@triton_jit
+# A step's row count is not specialized: an eager prefill of a token count that is not a
+# multiple of 16 otherwise compiled a variant of its own inside that step (150-170 ms on an
+# H200, named by kernels/compile_watch.py).
+@triton_jit(do_not_specialize=("num_rows",))
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,

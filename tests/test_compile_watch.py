@@ -40,7 +40,9 @@ def test_each_compile_is_logged_with_its_kernel_and_counted(caplog):
     assert all(ms >= 0 for _, ms in watch.compiles)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "worker-0: Triton compiled a variant of _rotary_kernel" in lines[1]
-    assert "(2 late compiles so far); variant: [num_warps=4] (num_rows: i32D)" in lines[1]
+    assert (
+        "(2 late compiles so far); variant: _rotary_kernel[num_warps=4](num_rows: i32D)" in lines[1]
+    )
     summary = watch.summary()
     assert summary.startswith("2 Triton compiles after start-up") and "_rotary_kernel" in summary
 
@@ -66,13 +68,18 @@ def test_one_watch_per_process_and_none_without_hooks():
     assert watch_late_compiles("c", types.SimpleNamespace()) is None
 
 
-def test_variant_shows_the_options_and_the_specialized_arguments():
-    text = "_rms_norm_kernel[num_warps=8, num_stages=3](x_ptr: *bf16, num_rows: i32, hidden: i32D)"
-    assert (
-        variant({"repr": text})
-        == "[num_warps=8, num_stages=3] (x_ptr: *bf16, num_rows: i32, hidden: i32D)"
+def test_variant_shows_the_specialized_arguments_and_the_options():
+    record = {
+        "signature": {"x_ptr": "*bf16", "num_rows": "i32", "hidden": "i32", "BLOCK": "constexpr"},
+        "constants": {(3,): 4096},
+        "configs": [{(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}],
+        "num_warps": 8,
+        "num_stages": 3,
+    }
+    assert variant({"compile": record}) == (
+        "(x_ptr: *bf16/16, num_rows: i32, hidden: i32/16, BLOCK=4096) [num_warps=8, num_stages=3]"
     )
-    assert variant({"repr": "odd"}) == "odd"
+    assert variant({"repr": "_k[num_warps=4](x: *bf16)"}) == "_k[num_warps=4](x: *bf16)"
     assert variant({}) == "?"
 
 
