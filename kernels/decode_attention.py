@@ -238,6 +238,20 @@ def min_split_tokens_now() -> int:
     return value
 
 
+@functools.cache
+def decode_tile_now() -> tuple[int | None, int | None, int | None]:
+    """``PEGAINFER_DECODE_BLOCK_N``, ``PEGAINFER_DECODE_STAGES`` and ``PEGAINFER_DECODE_WARPS``
+    where set (to try another key tile, pipeline depth or program size in whole steps), else
+    ``None`` for the rule's."""
+    picked = []
+    for name in ("PEGAINFER_DECODE_BLOCK_N", "PEGAINFER_DECODE_STAGES", "PEGAINFER_DECODE_WARPS"):
+        value = os.environ.get(name)
+        if value is not None and (not value.isdigit() or int(value) < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        picked.append(int(value) if value else None)
+    return picked[0], picked[1], picked[2]
+
+
 def choose_max_splits(
     num_seqs: int,
     num_kv_heads: int,
@@ -266,7 +280,7 @@ def paged_decode_attention_triton(
     max_splits: int | None = None,
     min_split_tokens: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     merge_chunk: int = MERGE_CHUNK,
 ) -> torch.Tensor:
@@ -297,10 +311,20 @@ def paged_decode_attention_triton(
             num_seqs, num_kv_heads, max_context_len, q.device, min_split_tokens
         )
     fp32 = k_cache.dtype == torch.float32  # q is cast to the cache dtype in the kernel
+    env_block_n, env_stages, env_warps = decode_tile_now()
+    if block_n is None and not fp32:
+        block_n = env_block_n
+    if num_stages is None:
+        num_stages = env_stages
+    if num_warps is None:
+        num_warps = env_warps or 4
     if block_n is None:
         # 64-key tiles: fewer dependent loads per program (1k contexts on an H200: 14.6 vs
         # 17.2 us at 8 sequences). At 32 sequences 32-key tiles measured 5% faster, but a
-        # second compiled variant slowed start-up and larger batches lost with them.
+        # second compiled variant slowed start-up and larger batches lost with them. 128-key
+        # tiles (one program up to 128 tokens, no merge) lost in whole steps: batch 1 at
+        # context 128 / 4k 2.53 / 2.77 ms against 2.37 / 2.66, batch 32 4.45 against 4.15
+        # (alternated; 8 warps or 2 stages no better).
         block_n = 32 if fp32 else 64
     single = max_splits == 1
     if num_stages is None:

@@ -422,6 +422,34 @@ def test_shortest_split_setting(monkeypatch):
         cache.cache_clear()
 
 
+def test_decode_tile_settings(monkeypatch):
+    """``PEGAINFER_DECODE_BLOCK_N`` / ``_STAGES`` / ``_WARPS`` replace decode attention's tile,
+    read once; unset they leave the rule's; anything but a positive integer is refused."""
+    from kernels import decode_attention
+
+    names = ("PEGAINFER_DECODE_BLOCK_N", "PEGAINFER_DECODE_STAGES", "PEGAINFER_DECODE_WARPS")
+    cache = decode_attention.decode_tile_now
+    try:
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+        cache.cache_clear()
+        assert cache() == (None, None, None)
+        monkeypatch.setenv("PEGAINFER_DECODE_BLOCK_N", "128")
+        monkeypatch.setenv("PEGAINFER_DECODE_WARPS", "8")
+        assert cache() == (None, None, None)  # read once
+        cache.cache_clear()
+        assert cache() == (128, None, 8)
+        for bad in ("0", "-2", "x"):
+            monkeypatch.setenv("PEGAINFER_DECODE_STAGES", bad)
+            cache.cache_clear()
+            with pytest.raises(ValueError, match="PEGAINFER_DECODE_STAGES"):
+                cache()
+    finally:
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+        cache.cache_clear()
+
+
 def test_block_table_width_compiles_no_new_variant():
     """An eager batch's block tables are as wide as its longest context; a specialized row
     stride compiled a new kernel variant mid-serving whenever that width turned a multiple
