@@ -11,7 +11,10 @@ Grid ``(work items x splits, num_kv_heads)``. The ``BLOCK_M`` rows of a query ti
 ``BLOCK_M // GROUP_PAD`` consecutive queries times every query head of one KV head group,
 so each K/V tile loaded from the cache serves the whole group. Scores and the online
 softmax are float32 (exp2, scale folded in); both products run in the input dtype on
-tensor cores with float32 accumulation.
+tensor cores with float32 accumulation. The key tiles that every row of a query tile sees
+(those before its first query's position) run without the causal mask or key bounds; only
+the tiles on the diagonal are masked. The tile grows for long query runs
+(``prefill_tile``).
 
 Which tile of which sequence a program takes comes from a work table
 (kernels/prefill_work.py): one entry per query tile of the batch, built on the device from
@@ -40,14 +43,76 @@ from kernels.backend import (
     dot_needs_fp32,
     load_triton,
     next_power_of_2,
-    num_sms,
     triton_jit,
 )
+from kernels.prefill_tiles import MAX_SPLITS, choose_prefill_splits, prefill_tile
 from kernels.prefill_work import prefill_work_table_triton
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
 LOG2_E = 1.4426950408889634
+
+
+@triton_jit
+def _attend_key_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    block_start,
+    kv_end,
+    positions,
+    table_row,
+    head_offset,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_cache_block,
+    stride_cache_token,
+    dims,
+    dim_mask,
+    scale_log2,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One key tile of the online softmax: ``(m_i, l_i, acc)`` updated. ``MASKED``: the tile
+    may reach past ``kv_end`` or past a row's position (the causal diagonal)."""
+    keys = block_start + tl.arange(0, BLOCK_N)
+    key_mask = keys < kv_end
+    if MASKED:
+        blocks = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0)
+    else:
+        blocks = tl.load(table_row + keys // BLOCK_SIZE)
+    slots = blocks.to(tl.int64) * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_token
+    kv_offsets = (slots + head_offset)[:, None] + dims[None, :]
+    kv_mask = key_mask[:, None] & dim_mask[None, :]
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_offsets, mask=dim_mask[None, :], other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if MASKED:
+        # Causal: a key at or before the row's position (keys < kv_end by the mask).
+        visible = (keys[None, :] <= positions[:, None]) & key_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + kv_offsets, mask=dim_mask[None, :], other=0.0)
+    p_low = p.to(v.dtype)
+    if DOT_FP32:
+        p_low = p_low.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p_low, v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 # The block tables' row stride is their width, which follows the longest context of an eager
@@ -86,6 +151,7 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SPLIT: tl.constexpr,
+    OPEN_TILES: tl.constexpr,
 ):
     work = tl.load(work_ptr + tl.program_id(0) // num_splits)
     split = tl.program_id(0) % num_splits
@@ -133,34 +199,27 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         table_row = block_tables_ptr + seq * stride_table_seq
         head_offset = kv_head * stride_cache_head
-        # An empty range (a split past this tile's last key) skips the loop: l_i stays 0.
-        for block_start in range(kv_begin, kv_end, BLOCK_N):
-            keys = block_start + tl.arange(0, BLOCK_N)
-            key_mask = keys < kv_end
-            blocks = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0)
-            slots = (
-                blocks.to(tl.int64) * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_token
-            )
-            kv_offsets = (slots + head_offset)[:, None] + dims[None, :]
-            kv_mask = key_mask[:, None] & dim_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            if DOT_FP32:
-                k = k.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            # Causal: a key at or before the row's position (keys < kv_end by the mask).
-            visible = (keys[None, :] <= positions[:, None]) & key_mask[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            p_low = p.to(v.dtype)
-            if DOT_FP32:
-                p_low = p_low.to(tl.float32)
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p_low, v, input_precision=PRECISION)
-            m_i = m_new
+        # With OPEN_TILES, keys up to the tile's first position (visible to every row) run
+        # in whole key tiles without the causal mask or the key bounds, and only the tiles
+        # on the diagonal pay for both. An empty range (a split past this tile's last key)
+        # skips both loops: l_i stays 0.
+        open_end = kv_begin
+        if OPEN_TILES:
+            first_position = context_len - query_len + first_query
+            open_keys = tl.maximum(tl.minimum(kv_end, first_position + 1) - kv_begin, 0)
+            open_end = kv_begin + open_keys // BLOCK_N * BLOCK_N
+            for block_start in range(kv_begin, open_end, BLOCK_N):
+                m_i, l_i, acc = _attend_key_tile(
+                    q, m_i, l_i, acc, block_start, kv_end, positions, table_row, head_offset,
+                    k_cache_ptr, v_cache_ptr, stride_cache_block, stride_cache_token, dims,
+                    dim_mask, scale_log2, BLOCK_SIZE, BLOCK_N, PRECISION, DOT_FP32, False,
+                )  # fmt: skip
+        for block_start in range(open_end, kv_end, BLOCK_N):
+            m_i, l_i, acc = _attend_key_tile(
+                q, m_i, l_i, acc, block_start, kv_end, positions, table_row, head_offset,
+                k_cache_ptr, v_cache_ptr, stride_cache_block, stride_cache_token, dims,
+                dim_mask, scale_log2, BLOCK_SIZE, BLOCK_N, PRECISION, DOT_FP32, True,
+            )  # fmt: skip
 
         # A row that saw no key (only if query_len > context_len: bad input) writes 0.
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -223,35 +282,6 @@ def _prefill_merge_kernel(
         tl.store(out_ptr + out_offsets, merged.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
-def prefill_tile_config(dtype: torch.dtype, head_dim: int, group: int) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps)``: 64x64 tiles in 16-bit types (head_dim 128 keeps a
-    64x128 float32 accumulator in registers at 4 warps), 32x32 in float32 (twice the bytes
-    per element in shared memory)."""
-    group_pad = next_power_of_2(group)
-    if dtype == torch.float32:
-        block_m, block_n, warps = 32, 32, 4
-    elif head_dim <= 128:
-        block_m, block_n, warps = 64, 64, 4
-    else:
-        block_m, block_n, warps = 64, 32, 8
-    return max(block_m, group_pad, 16), block_n, warps
-
-
-# A split covers at least this many keys; at most this many splits.
-MIN_SPLIT_KEYS = 512
-MAX_SPLITS = 16
-
-
-def choose_prefill_splits(num_programs: int, max_context_len: int, device: torch.device) -> int:
-    """Key splits per tile: 1 when the tiles alone fill the GPU (about two programs per SM)
-    or the context is short; otherwise enough to fill it. Host integers only."""
-    sms = num_sms(device.index or 0) if device.type == "cuda" else 132
-    if num_programs >= 2 * sms or max_context_len < 2 * MIN_SPLIT_KEYS:
-        return 1
-    by_length = max_context_len // MIN_SPLIT_KEYS
-    return max(1, min(cdiv(2 * sms, num_programs), by_length, MAX_SPLITS))
-
-
 def paged_prefill_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -265,6 +295,9 @@ def paged_prefill_attention_triton(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    open_tiles: bool | None = None,
     num_splits: int | None = None,
     split_seqs: int = 0,
     work_table: torch.Tensor | None = None,
@@ -299,9 +332,13 @@ def paged_prefill_attention_triton(
     load_triton()
     group = num_heads // num_kv_heads
     group_pad = next_power_of_2(group)
-    default_m, default_n, num_warps = prefill_tile_config(k_cache.dtype, head_dim, group)
-    block_m = max(block_m or default_m, group_pad, 16)
-    block_n = block_n or default_n
+    tile = prefill_tile(k_cache.dtype, head_dim, group, max_query_len)
+    block_m = max(block_m or tile.block_m, group_pad, 16)
+    block_n = block_n or tile.block_n
+    num_warps = num_warps or tile.num_warps
+    num_stages = num_stages or tile.num_stages
+    if open_tiles is None:
+        open_tiles = tile.open_tiles
     queries_per_tile = block_m // group_pad
     if work_table is None:
         work_table = prefill_work_table_triton(query_start_loc, num_tokens, queries_per_tile)
@@ -359,8 +396,9 @@ def paged_prefill_attention_triton(
         PRECISION="ieee" if fp32 else "tf32",
         DOT_FP32=dot_needs_fp32(k_cache.dtype),
         SPLIT=split,
+        OPEN_TILES=open_tiles,
         num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages,
     )
     if split:
         head_dim_pad = next_power_of_2(head_dim)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from kernels.backend import cdiv, load_triton, next_power_of_2, triton_jit, use_triton
+from kernels.prefill_tiles import prefill_tile
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -27,13 +28,12 @@ ITEMS_PER_PROGRAM = 128
 SEQS_PER_STEP = 64
 
 
-def prefill_queries_per_tile(dtype: torch.dtype, head_dim: int, group: int) -> int:
-    """Queries in one program's tile with the default tiles: what a work table is built
-    for."""
-    from kernels.prefill_attention import prefill_tile_config
-
-    block_m = prefill_tile_config(dtype, head_dim, group)[0]
-    return block_m // next_power_of_2(group)
+def prefill_queries_per_tile(
+    dtype: torch.dtype, head_dim: int, group: int, max_query_len: int
+) -> int:
+    """Queries in one program's tile with the default tile of a step whose longest query run
+    is ``max_query_len`` tokens: what a work table is built for."""
+    return prefill_tile(dtype, head_dim, group, max_query_len).block_m // next_power_of_2(group)
 
 
 def _table_size(query_start_loc: torch.Tensor, num_tokens: int, queries_per_tile: int) -> int:

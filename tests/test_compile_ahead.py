@@ -314,6 +314,100 @@ def test_worker_start_up_compiles_nothing_one_at_a_time(tmp_path, monkeypatch, c
     torch.cuda.empty_cache()
 
 
+@needs_compile_ahead
+@pytest.mark.gpu
+def test_eager_prefills_long_and_short_launch_only_variants_compiled_at_start_up(
+    tmp_path, monkeypatch
+):
+    """With no profile run (a KV cache size given), the compile pass still launches the
+    eager prefills' attention: a prompt past every prefill graph in the long tile, and one in
+    the short tile, compile nothing while served."""
+    pytest.importorskip("transformers")
+    from triton.runtime import _async_compile
+    from triton.runtime.jit import JITFunction
+
+    from kernels import prefill_tiles
+    from worker_proc.model_runner import ModelRunner
+
+    checkpoint = make_tiny_checkpoint(str(tmp_path), "qwen3", seed=43, num_hidden_layers=3)
+    tokens = 1600
+    config = engine_config(
+        checkpoint,
+        dtype="bfloat16",
+        block_size=16,
+        kv_cache_memory=8 << 20,
+        max_model_len=2048,
+        max_num_seqs=4,
+        max_num_batched_tokens=tokens,
+    )
+    config.device = "cuda"
+    # Prompts of 1,500 tokens and more take the long tile; both run eagerly (past 1,280).
+    monkeypatch.setenv("PEGAINFER_PREFILL_LONG_QUERIES", "1500")
+    prefill_tiles.long_query_tokens.cache_clear()
+    _forget_compiled_kernels()
+    one_at_a_time = []
+    original = JITFunction._do_compile
+
+    def counting(self, *args, **kwargs):
+        if _async_compile.active_mode.get() is None:
+            one_at_a_time.append(self.fn.__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", counting)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    try:
+        runner = ModelRunner(config)
+        assert one_at_a_time == [], f"compiled at start-up: {sorted(set(one_at_a_time))}"
+        for length in (1550, 1400):
+            request = (f"p{length}", [3 + i % 50 for i in range(length)], SamplingParams())
+            outputs, _, _ = drive(
+                runner, [request], 1, num_kv_blocks=runner.num_kv_blocks,
+                max_num_batched_tokens=tokens, max_model_len=2048, block_size=16,
+            )  # fmt: skip
+            assert outputs[request[0]], length
+        assert one_at_a_time == [], f"compiled while serving: {sorted(set(one_at_a_time))}"
+    finally:
+        monkeypatch.delenv("PEGAINFER_PREFILL_LONG_QUERIES")
+        prefill_tiles.long_query_tokens.cache_clear()
+    del runner
+    torch.cuda.empty_cache()
+
+
+def test_eager_prefill_tiles_are_launched_once_each_for_the_captures(monkeypatch):
+    """The eager prefills' attention tiles (long from LONG_QUERY_TOKENS on, short below) are
+    each launched once, unsplit, on one query tile, so that the compile pass compiles them
+    and the real capture loads them."""
+    import kernels
+    from kernels import prefill_tiles
+    from worker_proc.layers import attention
+
+    launched = []
+
+    def record(q, *args, **kwargs):
+        launched.append((q.shape[0], kwargs["block_m"], kwargs["block_n"], kwargs["num_splits"]))
+
+    monkeypatch.setattr(kernels, "use_triton", lambda tensor: True)
+    monkeypatch.setattr(attention, "paged_prefill_attention_triton", record)
+    layer = attention.Attention(32, 128, 128**-0.5, 8, 0)
+    cache = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
+    layer.k_cache, layer.v_cache = cache, cache.clone()
+    long, short = prefill_tiles.LONG_TILE, prefill_tiles.SHORT_TILE
+    layer.launch_eager_prefills(8192)
+    assert launched == [(16, short.block_m, short.block_n, 1), (32, long.block_m, long.block_n, 1)]
+    launched.clear()
+    layer.launch_eager_prefills(1024)  # no step of this engine reaches the long tile
+    assert launched == [(16, short.block_m, short.block_n, 1)]
+    monkeypatch.setenv("PEGAINFER_PREFILL_LONG_QUERIES", "0")
+    prefill_tiles.long_query_tokens.cache_clear()
+    try:
+        launched.clear()
+        layer.launch_eager_prefills(8192)
+        assert launched == [(16, short.block_m, short.block_n, 1)]
+    finally:
+        monkeypatch.delenv("PEGAINFER_PREFILL_LONG_QUERIES")
+        prefill_tiles.long_query_tokens.cache_clear()
+
+
 def test_the_start_up_compiles_once_with_the_profile_or_else_alone(monkeypatch):
     from pegainfer.startup_timeline import StartupTimeline
     from worker_proc import graph_capture

@@ -27,11 +27,8 @@ from triton_test_util import (
 from kernels.attention import paged_attention_ref, paged_attention_triton, store_kv_ref
 from kernels.attention_merge import split_counters
 from kernels.decode_attention import paged_decode_attention_triton
-from kernels.prefill_attention import (
-    MAX_SPLITS,
-    choose_prefill_splits,
-    paged_prefill_attention_triton,
-)
+from kernels.prefill_attention import paged_prefill_attention_triton
+from kernels.prefill_tiles import MAX_SPLITS, choose_prefill_splits
 from kernels.prefill_work import prefill_work_table_triton
 
 pytestmark = requires_triton
@@ -163,16 +160,19 @@ def test_prefill_attention(num_heads, num_kv_heads, block_size, dtype):
     check(out, expected, "prefill (mixed batch)")
 
 
-def test_prefill_small_tiles_and_chunks_equal_whole_prompt():
+@pytest.mark.parametrize("open_tiles", [False, True])
+def test_prefill_small_tiles_and_chunks_equal_whole_prompt(open_tiles):
     """Tiles smaller than a query's group, several key tiles per query tile, and a prompt
-    prefilled in chunks (each chunk attending to the cached prefix) equal one pass."""
+    prefilled in chunks (each chunk attending to the cached prefix) equal one pass; with
+    ``open_tiles``, the key tiles before each query tile's diagonal run unmasked."""
     ctx = 45
     q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(
         [(ctx, ctx)], 8, 2, 16, 4, torch.float32, SEED + 9
     )
     whole = paged_prefill_attention_triton(
-        q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 0, block_m=16, block_n=16
-    )
+        q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 0, block_m=16, block_n=16,
+        open_tiles=open_tiles,
+    )  # fmt: skip
     check(whole, paged_attention_ref(q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25), "one")
     pieces, start = [], 0
     for chunk in (16, 5, 20, 4):
@@ -182,16 +182,17 @@ def test_prefill_small_tiles_and_chunks_equal_whole_prompt():
                 q[start:end], k_cache, v_cache, tables,
                 torch.tensor([end], dtype=torch.int32, device=DEVICE),
                 torch.tensor([0, chunk], dtype=torch.int32, device=DEVICE),
-                0.25, chunk, block_m=16, block_n=16,
+                0.25, chunk, block_m=16, block_n=16, open_tiles=open_tiles,
             )  # fmt: skip
         pieces.append(piece)
         start = end
     torch.testing.assert_close(torch.cat(pieces), whole, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("open_tiles", [False, True])
 @pytest.mark.parametrize("num_splits", [2, 3, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_split_over_keys_equals_one_pass(num_splits, dtype):
+def test_prefill_split_over_keys_equals_one_pass(num_splits, dtype, open_tiles):
     """Splitting the keys of each tile (a short tail over a long cached prefix) gives the
     same result; splits past a tile's causal end, a one-query sequence, padding tokens past
     the batch (not written) and padding sequences with no queries are all covered."""
@@ -207,7 +208,7 @@ def test_prefill_split_over_keys_equals_one_pass(num_splits, dtype):
     with poisoned():
         out = paged_prefill_attention_triton(
             pad_q, k_cache, v_cache, pad_tables, pad_lens, pad_qsl, 0.25, 36,
-            block_m=16, block_n=16, num_splits=num_splits,
+            block_m=16, block_n=16, num_splits=num_splits, open_tiles=open_tiles,
         )  # fmt: skip
     check(out[: q.shape[0]], expected, f"prefill over {num_splits} key splits")
     assert out[q.shape[0] :].isnan().all(), "padding tokens must not be written"
@@ -259,6 +260,49 @@ def test_prefill_graph_batch_of_a_prompt_and_decodes():
         )  # fmt: skip
     check(out[: q.shape[0]], expected, "prompt and decodes in a padded batch")
     assert out[q.shape[0] :].isnan().all(), "padding tokens must not be written"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_open_tiles_mixed_batch(dtype):
+    """Open key tiles (no causal mask before a query tile's diagonal) over a batch of whole
+    prompts, prefix-cached chunks that start mid-block, decode rows and a prompt shorter than
+    one key tile, with query tiles of 8 and 4 queries and 16- and 32-key tiles: equal to the
+    reference."""
+    cases = [(83, 83), (70, 21), (45, 1), (9, 9), (64, 64), (130, 3), (17, 1)]
+    q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(cases, 8, 2, 16, 4, dtype, SEED + 51)
+    expected = paged_attention_ref(q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 83, 130)
+    for block_m, block_n in ((32, 16), (16, 32)):
+        with poisoned():
+            out = paged_prefill_attention_triton(
+                q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 83, 130,
+                block_m=block_m, block_n=block_n, open_tiles=True,
+            )  # fmt: skip
+        check(out, expected, f"open tiles {block_m}x{block_n}")
+
+
+def test_prefill_tile_follows_the_longest_query_run(monkeypatch):
+    """16-bit steps with a query run of LONG_QUERY_TOKENS or more take the long tile; shorter
+    runs, float32 and wide heads keep their tiles; the bound can be moved or turned off, and
+    a bad value is an error."""
+    from kernels import prefill_tiles as pa
+
+    group, long = 4, pa.LONG_QUERY_TOKENS
+    assert pa.prefill_tile(torch.bfloat16, 128, group, long) == pa.LONG_TILE
+    assert pa.prefill_tile(torch.float16, 128, group, 16384) == pa.LONG_TILE
+    assert pa.prefill_tile(torch.bfloat16, 128, group, long - 1) == pa.SHORT_TILE
+    assert pa.prefill_tile(torch.float32, 128, group, 16384).block_m == 32
+    assert pa.prefill_tile(torch.bfloat16, 256, group, 16384).block_n == 32
+    assert pa.prefill_tile(torch.bfloat16, 128, 128, 64).block_m == 128  # one whole group
+    for value, expected in (("0", pa.SHORT_TILE), ("512", pa.LONG_TILE)):
+        monkeypatch.setenv("PEGAINFER_PREFILL_LONG_QUERIES", value)
+        pa.long_query_tokens.cache_clear()
+        assert pa.prefill_tile(torch.bfloat16, 128, group, 1024) == expected, value
+    monkeypatch.setenv("PEGAINFER_PREFILL_LONG_QUERIES", "many")
+    pa.long_query_tokens.cache_clear()
+    with pytest.raises(ValueError, match="PEGAINFER_PREFILL_LONG_QUERIES"):
+        pa.prefill_tile(torch.bfloat16, 128, group, 1024)
+    monkeypatch.delenv("PEGAINFER_PREFILL_LONG_QUERIES")
+    pa.long_query_tokens.cache_clear()
 
 
 def counters_at_rest() -> bool:
@@ -337,6 +381,7 @@ def test_decode_attention_qwen3_4b_shapes(batch, max_ctx):
     "cases,split_seqs",
     [
         ([(2048, 2048)], 0),
+        ([(6000, 2500), (3000, 3000), (900, 1)], 0),  # the long tile, a prefix, a decode
         ([(4096, 1024), (600, 600), (300, 1)], 0),
         ([(4096, 32)], 0),
         ([(16384, 32)], 0),

@@ -74,7 +74,8 @@ def test_prefill_work_table_limits_and_shape_check():
     one = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="work table"):
         prefill_work_table_triton(one, 1 << 20, 16)
-    assert prefill_queries_per_tile(torch.bfloat16, 128, 4) == 16  # 64-row tiles, 4 heads
+    assert prefill_queries_per_tile(torch.bfloat16, 128, 4, 1024) == 16  # 64-row tiles, 4 heads
+    assert prefill_queries_per_tile(torch.bfloat16, 128, 4, 4096) == 32  # the long tile
     g = torch.Generator().manual_seed(SEED)
     q = torch.randn(4, 8, 16, generator=g).to(DEVICE)
     k_cache = torch.randn(3, 4, 2, 16, generator=g).to(DEVICE)

@@ -190,6 +190,8 @@ def drive(
     num_kv_blocks: int = 200,
     max_num_batched_tokens: int = 24,
     max_num_seqs: int = 8,
+    max_model_len: int = 128,
+    block_size: int = 4,
 ):
     """Serve ``requests`` with the real Scheduler and ``runner``, up to ``in_flight`` steps
     submitted before their results are polled (one batch of polls per round, as the worker
@@ -201,6 +203,8 @@ def drive(
 
     config = engine_config(
         runner.config.model_path,
+        block_size=block_size,
+        max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
     )

@@ -26,6 +26,7 @@ from kernels.host_copy import copy_pinned
 from pegainfer.config import EngineConfig
 from pegainfer.startup_timeline import StartupTimeline
 from worker_proc.cuda_graphs import DecodeGraphs, GraphBackend, Replay, capture_sizes
+from worker_proc.layers.attention import Attention
 from worker_proc.parallel_state import get_tp_size
 from worker_proc.prefill_graphs import MAX_SEQS, PrefillGraphs, prefill_token_sizes
 
@@ -64,6 +65,12 @@ def capture_graphs(
     backend: GraphBackend,
 ) -> CapturedGraphs:
     captured = CapturedGraphs()
+    # The eager prefills' attention tiles, which no graph launches: compiled in the compile
+    # pass, loaded ahead of the first long prompt here.
+    longest = min(config.max_num_batched_tokens, config.max_model_len)
+    attention = next((m for m in model.modules() if isinstance(m, Attention)), None)
+    if attention is not None and longest > 0:
+        attention.launch_eager_prefills(longest)
     decode = DecodeGraphs(
         capture_sizes(config.max_num_seqs),
         max_blocks_per_seq,

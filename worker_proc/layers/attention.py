@@ -12,6 +12,9 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.backend import next_power_of_2
+from kernels.prefill_attention import paged_prefill_attention_triton
+from kernels.prefill_tiles import long_query_tokens, prefill_tile
 from worker_proc.forward_context import get_forward_context
 
 
@@ -72,7 +75,10 @@ class Attention(nn.Module):
         decode_only = ctx.max_query_len == 1 and num_tokens == ctx.num_seqs
         if not decode_only and ctx.prefill_work is None and kernels.use_triton(q):
             queries_per_tile = kernels.prefill_queries_per_tile(
-                self.k_cache.dtype, self.head_dim, self.num_heads // self.num_kv_heads
+                self.k_cache.dtype,
+                self.head_dim,
+                self.num_heads // self.num_kv_heads,
+                ctx.max_query_len,
             )
             ctx.prefill_work = kernels.prefill_work_table(
                 ctx.query_start_loc, num_tokens, queries_per_tile
@@ -91,6 +97,47 @@ class Attention(nn.Module):
             None if decode_only else ctx.prefill_work,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def launch_eager_prefills(self, max_tokens: int) -> None:
+        """Launch prefill attention once, on one query tile of empty queries, in each tile
+        (kernels/prefill_tiles.py) that eager steps of at most ``max_tokens`` tokens take
+        unsplit: the long tile from ``long_query_tokens()`` on and the short one below it. No
+        captured graph launches the long tile, so inside a compile-ahead pass this compiles
+        it, and at the real capture it loads it, where the first long prompt would wait
+        for both. The launches write only their own output."""
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError(f"layer {self.layer_idx} has no KV cache bound")
+        if not kernels.use_triton(self.k_cache):
+            return
+        device = self.k_cache.device
+        group = self.num_heads // self.num_kv_heads
+        lengths = {max_tokens}
+        if long_query_tokens() > 1:
+            lengths.add(min(max_tokens, long_query_tokens() - 1))
+        tiles = {prefill_tile(self.k_cache.dtype, self.head_dim, group, n) for n in lengths}
+        for tile in sorted(tiles, key=lambda t: t.block_m):
+            queries = max(tile.block_m // next_power_of_2(group), 1)
+            q = torch.empty(
+                (queries, self.num_heads, self.head_dim), dtype=self.k_cache.dtype, device=device
+            )
+            blocks = -(-queries // self.k_cache.shape[1])
+            paged_prefill_attention_triton(
+                q,
+                self.k_cache,
+                self.v_cache,
+                torch.zeros((1, blocks), dtype=torch.int32, device=device),
+                torch.full((1,), queries, dtype=torch.int32, device=device),
+                torch.tensor([0, queries], dtype=torch.int32, device=device),
+                self.scale,
+                queries,
+                queries,
+                block_m=tile.block_m,
+                block_n=tile.block_n,
+                num_warps=tile.num_warps,
+                num_stages=tile.num_stages,
+                open_tiles=tile.open_tiles,
+                num_splits=1,
+            )
 
 
 def bind_kv_caches(

@@ -1,0 +1,85 @@
+"""How prefill attention (kernels/prefill_attention.py) is tiled and split over keys: the
+query-by-key tile a step takes from its longest query run, and the key splits a grid too
+small for the GPU takes. Host integers only."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kernels.backend import cdiv, next_power_of_2, num_sms
+
+
+@dataclass(frozen=True)
+class PrefillTile:
+    """One compiled shape of the prefill kernel: ``block_m`` rows (queries x the group's
+    heads) by ``block_n`` keys, and whether the key tiles every row sees skip the causal
+    mask (``open_tiles``; off only to compare against one masked loop)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    open_tiles: bool
+
+
+# Every tile leaves the key tiles before its diagonal unmasked (``open_tiles``). On an H200
+# (Qwen3-4B heads, bf16, paged 16-token blocks, alternated), per layer, 64x64 tiles open
+# against masked throughout: eight 1k prompts 0.375 against 0.408 ms, the same with 56
+# decode rows 0.413 against 0.464, a 2k prompt 0.205 against 0.227, a 16k prompt 6.13
+# against 7.00. A step whose longest query run (a prompt or its chunk) has at least
+# LONG_QUERY_TOKENS takes the long tile, 128 rows x 128 keys at 8 warps: a 16k prompt 5.61 ms
+# (392 TFLOP/s), 4k queries after a 12k prefix 2.44 against 2.61, a 2k prompt alike (0.207
+# against 0.205); shorter runs keep 64x64 (eight 1k prompts 0.398 against 0.375, with decode
+# rows 0.500 against 0.413: a decode row fills a 32-query tile). 256x64 tiles took a 16k
+# prompt to 5.36 ms but a 2k prompt to 0.437. ``PEGAINFER_PREFILL_LONG_QUERIES`` replaces
+# the bound (0: never).
+LONG_QUERY_TOKENS = 2048
+SHORT_TILE = PrefillTile(64, 64, 4, 2, True)
+LONG_TILE = PrefillTile(128, 128, 8, 2, True)
+
+
+@functools.cache
+def long_query_tokens() -> int:
+    """``LONG_QUERY_TOKENS``, or ``PEGAINFER_PREFILL_LONG_QUERIES`` where set (read once)."""
+    value = os.environ.get("PEGAINFER_PREFILL_LONG_QUERIES")
+    if value is None:
+        return LONG_QUERY_TOKENS
+    if not value.isdigit():
+        raise ValueError(f"PEGAINFER_PREFILL_LONG_QUERIES must be a token count, got {value!r}")
+    return int(value)
+
+
+def prefill_tile(dtype: torch.dtype, head_dim: int, group: int, max_query_len: int) -> PrefillTile:
+    """The tile of a step whose longest query run is ``max_query_len`` tokens. Short runs (and
+    every prefill graph) take 64x64 tiles in 16-bit types (head_dim 128 keeps a 64x128 float32
+    accumulator in registers at 4 warps); float32 takes 32x32 (twice the bytes per element
+    in shared memory)."""
+    group_pad = next_power_of_2(group)
+    if dtype == torch.float32:
+        tile = PrefillTile(32, 32, 4, 2, True)
+    elif head_dim > 128:
+        tile = PrefillTile(64, 32, 8, 2, True)
+    else:
+        bound = long_query_tokens()
+        tile = LONG_TILE if 0 < bound <= max_query_len else SHORT_TILE
+    return dataclasses.replace(tile, block_m=max(tile.block_m, group_pad, 16))
+
+
+# A split covers at least this many keys; at most this many splits.
+MIN_SPLIT_KEYS = 512
+MAX_SPLITS = 16
+
+
+def choose_prefill_splits(num_programs: int, max_context_len: int, device: torch.device) -> int:
+    """Key splits per tile: 1 when the tiles alone fill the GPU (about two programs per SM)
+    or the context is short; otherwise enough to fill it. Host integers only."""
+    sms = num_sms(device.index or 0) if device.type == "cuda" else 132
+    if num_programs >= 2 * sms or max_context_len < 2 * MIN_SPLIT_KEYS:
+        return 1
+    by_length = max_context_len // MIN_SPLIT_KEYS
+    return max(1, min(cdiv(2 * sms, num_programs), by_length, MAX_SPLITS))
