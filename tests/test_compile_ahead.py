@@ -375,8 +375,8 @@ def test_eager_prefills_long_and_short_launch_only_variants_compiled_at_start_up
 
 def test_eager_prefill_tiles_are_launched_once_each_for_the_captures(monkeypatch):
     """The eager prefills' attention tiles (long from LONG_QUERY_TOKENS on, short below) are
-    each launched once, unsplit, on one query tile, so that the compile pass compiles them
-    and the real capture loads them."""
+    each launched on one query tile, unsplit and split over keys, so that the compile pass
+    compiles them and the real capture loads them."""
     import kernels
     from kernels import prefill_tiles
     from worker_proc.layers import attention
@@ -393,16 +393,21 @@ def test_eager_prefill_tiles_are_launched_once_each_for_the_captures(monkeypatch
     layer.k_cache, layer.v_cache = cache, cache.clone()
     long, short = prefill_tiles.LONG_TILE, prefill_tiles.SHORT_TILE
     layer.launch_eager_prefills(8192)
-    assert launched == [(16, short.block_m, short.block_n, 1), (32, long.block_m, long.block_n, 1)]
+    assert launched == [
+        (16, short.block_m, short.block_n, 1),
+        (16, short.block_m, short.block_n, 2),
+        (32, long.block_m, long.block_n, 1),
+        (32, long.block_m, long.block_n, 2),
+    ]
     launched.clear()
     layer.launch_eager_prefills(1024)  # no step of this engine reaches the long tile
-    assert launched == [(16, short.block_m, short.block_n, 1)]
+    assert launched == [(16, short.block_m, short.block_n, n) for n in (1, 2)]
     monkeypatch.setenv("PEGAINFER_PREFILL_LONG_QUERIES", "0")
     prefill_tiles.long_query_tokens.cache_clear()
     try:
         launched.clear()
         layer.launch_eager_prefills(8192)
-        assert launched == [(16, short.block_m, short.block_n, 1)]
+        assert launched == [(16, short.block_m, short.block_n, n) for n in (1, 2)]
     finally:
         monkeypatch.delenv("PEGAINFER_PREFILL_LONG_QUERIES")
         prefill_tiles.long_query_tokens.cache_clear()

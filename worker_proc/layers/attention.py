@@ -8,6 +8,8 @@ other causally as well as everything cached before them.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -99,12 +101,13 @@ class Attention(nn.Module):
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def launch_eager_prefills(self, max_tokens: int) -> None:
-        """Launch prefill attention once, on one query tile of empty queries, in each tile
-        (kernels/prefill_tiles.py) that eager steps of at most ``max_tokens`` tokens take
-        unsplit: the long tile from ``long_query_tokens()`` on and the short one below it. No
-        captured graph launches the long tile, so inside a compile-ahead pass this compiles
-        it, and at the real capture it loads it, where the first long prompt would wait
-        for both. The launches write only their own output."""
+        """Launch prefill attention on one query tile of empty queries in each tile
+        (kernels/prefill_tiles.py) that eager steps of at most ``max_tokens`` tokens take, the
+        long tile from ``long_query_tokens()`` on and the short one below it, each unsplit
+        and split over keys (a step with few KV heads splits). No captured graph launches
+        the long tile, so inside a compile-ahead pass this compiles it, and at the real
+        capture it loads it, where the first long prompt would wait for both. The launches
+        write only their own outputs."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError(f"layer {self.layer_idx} has no KV cache bound")
         if not kernels.use_triton(self.k_cache):
@@ -115,7 +118,7 @@ class Attention(nn.Module):
         if long_query_tokens() > 1:
             lengths.add(min(max_tokens, long_query_tokens() - 1))
         tiles = {prefill_tile(self.k_cache.dtype, self.head_dim, group, n) for n in lengths}
-        for tile in sorted(tiles, key=lambda t: t.block_m):
+        for tile, num_splits in itertools.product(sorted(tiles, key=lambda t: t.block_m), (1, 2)):
             queries = max(tile.block_m // next_power_of_2(group), 1)
             q = torch.empty(
                 (queries, self.num_heads, self.head_dim), dtype=self.k_cache.dtype, device=device
@@ -136,7 +139,7 @@ class Attention(nn.Module):
                 num_warps=tile.num_warps,
                 num_stages=tile.num_stages,
                 open_tiles=tile.open_tiles,
-                num_splits=1,
+                num_splits=num_splits,
             )
 
 
