@@ -28,7 +28,7 @@ largest batch, more still; each empty program still holds a full program's regis
 A few queries over a long context (a prompt's tail after a prefix-cache hit) give too few
 programs to fill the GPU, each walking thousands of keys. Then the keys are also split
 (``num_splits`` programs per tile, each over one contiguous range): every program writes
-its rows' normalised partial output and log-sum-exp, and ``_prefill_merge_kernel`` combines
+its rows' normalised partial output and log-sum-exp, and kernels/prefill_merge.py combines
 them, as decode attention does. The number of splits is a host integer chosen from the grid
 and ``max_context_len``; how many keys each split covers is decided on the device from the
 sequence's own context, so a captured graph replays for any context length.
@@ -45,7 +45,8 @@ from kernels.backend import (
     next_power_of_2,
     triton_jit,
 )
-from kernels.prefill_tiles import MAX_SPLITS, choose_prefill_splits, prefill_tile
+from kernels.prefill_merge import merge_prefill_splits
+from kernels.prefill_tiles import choose_prefill_splits, prefill_tile
 from kernels.prefill_work import prefill_work_table_triton
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
@@ -76,9 +77,13 @@ def _attend_key_tile(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     MASKED: tl.constexpr,
+    RESCALE_SLACK: tl.constexpr,
 ):
     """One key tile of the online softmax: ``(m_i, l_i, acc)`` updated. ``MASKED``: the tile
-    may reach past ``kv_end`` or past a row's position (the causal diagonal)."""
+    may reach past ``kv_end`` or past a row's position (the causal diagonal).
+    ``RESCALE_SLACK`` > 0: the running max (log2 units) moves only when some row's grows by
+    more than that, so most tiles skip rescaling ``acc``; the probabilities are then up to
+    ``2 ** RESCALE_SLACK``, exact in the final ratio ``acc / l_i``."""
     keys = block_start + tl.arange(0, BLOCK_N)
     key_mask = keys < kv_end
     if MASKED:
@@ -94,15 +99,27 @@ def _attend_key_tile(
         k = tl.load(k_cache_ptr + kv_offsets, mask=dim_mask[None, :], other=0.0)
     if DOT_FP32:
         k = k.to(tl.float32)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    # Unscaled scores: the scale goes into the max and into one multiply-add before exp2.
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         # Causal: a key at or before the row's position (keys < kv_end by the mask).
         visible = (keys[None, :] <= positions[:, None]) & key_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1) * scale_log2)
+    if RESCALE_SLACK > 0:
+        if tl.max(m_new - m_i, axis=0) > RESCALE_SLACK:
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(scores * scale_log2 - m_i[:, None])
+        l_i = l_i + tl.sum(p, axis=1)
+        m_new = m_i
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores * scale_log2 - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
     if MASKED:
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
     else:
@@ -111,7 +128,7 @@ def _attend_key_tile(
     if DOT_FP32:
         p_low = p_low.to(tl.float32)
         v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p_low, v, input_precision=PRECISION)
+    acc = tl.dot(p_low, v, acc, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -152,6 +169,7 @@ def _prefill_kernel(
     DOT_FP32: tl.constexpr,
     SPLIT: tl.constexpr,
     OPEN_TILES: tl.constexpr,
+    RESCALE_SLACK: tl.constexpr,
 ):
     work = tl.load(work_ptr + tl.program_id(0) // num_splits)
     split = tl.program_id(0) % num_splits
@@ -213,12 +231,14 @@ def _prefill_kernel(
                     q, m_i, l_i, acc, block_start, kv_end, positions, table_row, head_offset,
                     k_cache_ptr, v_cache_ptr, stride_cache_block, stride_cache_token, dims,
                     dim_mask, scale_log2, BLOCK_SIZE, BLOCK_N, PRECISION, DOT_FP32, False,
+                    RESCALE_SLACK,
                 )  # fmt: skip
         for block_start in range(open_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_key_tile(
                 q, m_i, l_i, acc, block_start, kv_end, positions, table_row, head_offset,
                 k_cache_ptr, v_cache_ptr, stride_cache_block, stride_cache_token, dims,
                 dim_mask, scale_log2, BLOCK_SIZE, BLOCK_N, PRECISION, DOT_FP32, True,
+                RESCALE_SLACK,
             )  # fmt: skip
 
         # A row that saw no key (only if query_len > context_len: bad input) writes 0.
@@ -244,44 +264,6 @@ def _prefill_kernel(
             )
 
 
-@triton_jit(do_not_specialize=("num_tokens", "num_seqs", "num_splits"))
-def _prefill_merge_kernel(
-    partial_out_ptr,
-    partial_lse_ptr,
-    query_start_loc_ptr,
-    out_ptr,
-    stride_out_token,
-    stride_out_head,
-    num_tokens,
-    num_seqs,
-    num_splits,
-    head_dim,
-    HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    num_heads = tl.num_programs(1)
-    # Rows past the batch's last query (padding of a captured graph) are not written.
-    if token < tl.load(query_start_loc_ptr + num_seqs):
-        splits = tl.arange(0, SPLITS)
-        dims = tl.arange(0, HEAD_DIM)
-        split_mask = splits < num_splits
-        row_index = (splits * num_tokens + token) * num_heads + head
-        lse = tl.load(partial_lse_ptr + row_index, mask=split_mask, other=-float("inf"))
-        lse_max = tl.maximum(tl.max(lse, axis=0), -1.0e30)
-        weights = tl.exp2(lse - lse_max)
-        total = tl.sum(weights, axis=0)
-        partial = tl.load(
-            partial_out_ptr + row_index[:, None] * head_dim + dims[None, :],
-            mask=(split_mask & (weights > 0.0))[:, None] & (dims < head_dim)[None, :],
-            other=0.0,
-        )
-        merged = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-        out_offsets = token * stride_out_token + head * stride_out_head + dims
-        tl.store(out_ptr + out_offsets, merged.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
-
-
 def paged_prefill_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -298,6 +280,7 @@ def paged_prefill_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     open_tiles: bool | None = None,
+    rescale_slack: float | None = None,
     num_splits: int | None = None,
     split_seqs: int = 0,
     work_table: torch.Tensor | None = None,
@@ -339,6 +322,8 @@ def paged_prefill_attention_triton(
     num_stages = num_stages or tile.num_stages
     if open_tiles is None:
         open_tiles = tile.open_tiles
+    if rescale_slack is None:
+        rescale_slack = tile.rescale_slack
     queries_per_tile = block_m // group_pad
     if work_table is None:
         work_table = prefill_work_table_triton(query_start_loc, num_tokens, queries_per_tile)
@@ -397,24 +382,10 @@ def paged_prefill_attention_triton(
         DOT_FP32=dot_needs_fp32(k_cache.dtype),
         SPLIT=split,
         OPEN_TILES=open_tiles,
+        RESCALE_SLACK=float(rescale_slack),
         num_warps=num_warps,
         num_stages=num_stages,
     )
     if split:
-        head_dim_pad = next_power_of_2(head_dim)
-        _prefill_merge_kernel[(num_tokens, num_heads)](
-            partial_out,
-            partial_lse,
-            query_start_loc,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_tokens,
-            num_seqs,
-            num_splits,
-            head_dim,
-            HEAD_DIM=head_dim_pad,
-            SPLITS=next_power_of_2(MAX_SPLITS),  # one compiled variant for every count
-            num_warps=4,
-        )
+        merge_prefill_splits(partial_out, partial_lse, query_start_loc, out, num_seqs, num_splits)
     return out

@@ -17,14 +17,18 @@ from kernels.backend import cdiv, next_power_of_2, num_sms
 @dataclass(frozen=True)
 class PrefillTile:
     """One compiled shape of the prefill kernel: ``block_m`` rows (queries x the group's
-    heads) by ``block_n`` keys, and whether the key tiles every row sees skip the causal
-    mask (``open_tiles``; off only to compare against one masked loop)."""
+    heads) by ``block_n`` keys, whether the key tiles every row sees skip the causal mask
+    (``open_tiles``; off only to compare against one masked loop), and how lazily the
+    softmax rescales (``rescale_slack``)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     open_tiles: bool
+    # > 0: the online softmax rescales its accumulator only when a row's max grows by more
+    # than this (log2 units) within a key tile; 0: at every key tile.
+    rescale_slack: float = 0.0
 
 
 # Every tile leaves the key tiles before its diagonal unmasked (``open_tiles``). On an H200
@@ -38,9 +42,17 @@ class PrefillTile:
 # rows 0.500 against 0.413: a decode row fills a 32-query tile). 256x64 tiles took a 16k
 # prompt to 5.36 ms but a 2k prompt to 0.437. ``PEGAINFER_PREFILL_LONG_QUERIES`` replaces
 # the bound (0: never).
+# The long tile rescales lazily (slack 8: probabilities up to 256): 8 warps then skip most
+# of the accumulator's multiplies for one tile-wide max. Per layer, two alternated rounds on
+# an H200, 128x128 eager against lazy: a 16k prompt 5.39-5.44 against 5.17-5.21 ms (the code
+# before both, 5.51-5.56), 32k 20.5 against 19.5-19.9, 8k 1.45-1.53 against 1.41-1.51, 4k
+# queries after a 12k prefix 2.32-2.33 against 2.20-2.22. The 64x64 tile at 4 warps lost
+# with it (8k 1.63-1.73 against 1.67-1.76, eight 1k prompts 0.34 against 0.36), so it keeps
+# rescaling at every tile. 256x64, lazy too, was within 4% of 128x128 either way from 8k up
+# (16k 5.11-5.13, 32k 19.9-20.2), not worth a third compiled tile.
 LONG_QUERY_TOKENS = 2048
 SHORT_TILE = PrefillTile(64, 64, 4, 2, True)
-LONG_TILE = PrefillTile(128, 128, 8, 2, True)
+LONG_TILE = PrefillTile(128, 128, 8, 2, True, rescale_slack=8.0)
 
 
 @functools.cache

@@ -381,10 +381,11 @@ def test_eager_prefill_tiles_are_launched_once_each_for_the_captures(monkeypatch
     from kernels import prefill_tiles
     from worker_proc.layers import attention
 
-    launched = []
+    launched, slacks = [], set()
 
     def record(q, *args, **kwargs):
         launched.append((q.shape[0], kwargs["block_m"], kwargs["block_n"], kwargs["num_splits"]))
+        slacks.add((kwargs["block_m"], kwargs["rescale_slack"]))
 
     monkeypatch.setattr(kernels, "use_triton", lambda tensor: True)
     monkeypatch.setattr(attention, "paged_prefill_attention_triton", record)
@@ -399,6 +400,12 @@ def test_eager_prefill_tiles_are_launched_once_each_for_the_captures(monkeypatch
         (32, long.block_m, long.block_n, 1),
         (32, long.block_m, long.block_n, 2),
     ]
+    # Each tile as the steps launch it, the long one with its lazy rescale.
+    assert slacks == {
+        (short.block_m, short.rescale_slack),
+        (long.block_m, long.rescale_slack),
+    }
+    assert long.rescale_slack > 0
     launched.clear()
     layer.launch_eager_prefills(1024)  # no step of this engine reaches the long tile
     assert launched == [(16, short.block_m, short.block_n, n) for n in (1, 2)]

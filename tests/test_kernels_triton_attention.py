@@ -280,6 +280,26 @@ def test_prefill_open_tiles_mixed_batch(dtype):
         check(out, expected, f"open tiles {block_m}x{block_n}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefill_lazy_rescale_mixed_batch(dtype, num_splits):
+    """With ``rescale_slack`` the running max moves only when a row's grows past the slack.
+    Keys scaled block by block (0.5x to 8x, blocks shuffled along each sequence) make some
+    tiles raise it by far more than the slack and others not at all; whole prompts, cached
+    chunks, decode rows and key splits all equal the reference."""
+    cases = [(83, 83), (70, 21), (45, 1), (9, 9), (130, 3), (17, 1)]
+    q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(cases, 8, 2, 16, 4, dtype, SEED + 53)
+    block_scale = 0.5 + 7.5 * torch.rand(k_cache.shape[0], generator=gen(54))
+    k_cache = k_cache * block_scale.to(DEVICE, dtype).view(-1, 1, 1, 1)
+    expected = paged_attention_ref(q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 83, 130)
+    with poisoned():
+        out = paged_prefill_attention_triton(
+            q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 83, 130,
+            block_m=16, block_n=16, rescale_slack=8.0, num_splits=num_splits,
+        )  # fmt: skip
+    check(out, expected, f"lazy rescale, {num_splits} key splits")
+
+
 def test_prefill_tile_follows_the_longest_query_run(monkeypatch):
     """16-bit steps with a query run of LONG_QUERY_TOKENS or more take the long tile; shorter
     runs, float32 and wide heads keep their tiles; the bound can be moved or turned off, and

@@ -139,6 +139,7 @@ class Attention(nn.Module):
                 num_warps=tile.num_warps,
                 num_stages=tile.num_stages,
                 open_tiles=tile.open_tiles,
+                rescale_slack=tile.rescale_slack,
                 num_splits=num_splits,
             )
 
