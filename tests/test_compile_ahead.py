@@ -100,6 +100,23 @@ def test_a_forked_compile_is_loaded_by_its_thread_and_a_failed_one_redone(tmp_pa
         compile_ahead._compile_with_launcher(broken, forked=True)
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_stuck_child_is_killed_at_the_bound_and_its_thread_compiles(monkeypatch, caplog):
+    """A child that never finishes (as one blocked on a lock held at the fork would) is
+    killed once ``CHILD_TIMEOUT_S`` has passed, with a warning; the thread then compiles."""
+    import time
+
+    monkeypatch.setattr(compile_ahead, "CHILD_TIMEOUT_S", 0.5)
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="kernels.compile_ahead"):
+        assert not compile_ahead.compiled_in_child(lambda: time.sleep(60))
+    assert time.monotonic() - started < 10
+    assert "killed" in caplog.text
+    monkeypatch.setattr(compile_ahead, "_build_launcher", lambda kernel: None)
+    monkeypatch.setattr(compile_ahead, "compiled_in_child", lambda work: False)
+    assert compile_ahead._compile_with_launcher(lambda: "kernel", forked=True) == "kernel"
+
+
 def test_a_refused_fork_leaves_the_compile_to_the_thread(monkeypatch):
     def refuse():
         raise RuntimeError("os.fork is unsafe while another library changes its state")
