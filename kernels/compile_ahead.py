@@ -64,6 +64,8 @@ MAX_FORKED = 16
 # pass with an empty cache 3.4-3.6 s on an H200 host: a tighter bound than the 300 s this
 # was keeps a stuck child from stalling the start-up for minutes.
 CHILD_TIMEOUT_S = 60
+# A child still compiling after this long is named in the log (its pid), once.
+CHILD_SLOW_S = 10
 _active = threading.Lock()
 _fork_lock = threading.Lock()
 _fork_seconds = [0.0]  # spent in fork() by this process, all threads together
@@ -272,15 +274,26 @@ def compiled_in_child(work: Callable[[], Any]) -> bool:
             status = 0
         finally:
             os._exit(status)
-    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    began = time.monotonic()
+    deadline = began + CHILD_TIMEOUT_S
+    slow_at = began + CHILD_SLOW_S
     pause = 0.001
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status) == 0
-        if time.monotonic() > deadline:  # stuck: its thread compiles instead
+        now = time.monotonic()
+        if now > slow_at:
             logger.warning(
-                "a kernel compile in child %d took over %d s; killed", pid, CHILD_TIMEOUT_S
+                "a kernel compile in child %d still runs after %g s (killed at %g s)",
+                pid,
+                CHILD_SLOW_S,
+                CHILD_TIMEOUT_S,
+            )
+            slow_at = float("inf")
+        if now > deadline:  # stuck: its thread compiles instead
+            logger.warning(
+                "a kernel compile in child %d took over %g s; killed", pid, CHILD_TIMEOUT_S
             )
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
