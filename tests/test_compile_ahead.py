@@ -325,11 +325,18 @@ def test_worker_start_up_compiles_nothing_one_at_a_time(tmp_path, monkeypatch, c
     del runner
     torch.cuda.empty_cache()
 
-    # A second start-up finds the pass noted and does not run it.
+    # A second start-up, in a process that has compiled nothing yet, finds the pass noted and
+    # does not run it: the captures load their kernels from Triton's disk cache, and so does
+    # the start-up for the kernels no graph launches, so serving loads nothing.
     caplog.clear()
+    _forget_compiled_kernels()
     runner = ModelRunner(config)
     assert runner.graphs is not None
     assert caplog.text.count("compiled ahead by an earlier start-up") == 1
+    one_at_a_time.clear()
+    outputs, _, _ = drive(runner, requests, 2, num_kv_blocks=runner.num_kv_blocks)
+    assert all(outputs[request_id] for request_id, _, _ in requests)
+    assert one_at_a_time == [], f"loaded while serving: {sorted(set(one_at_a_time))}"
     del runner
     torch.cuda.empty_cache()
 
