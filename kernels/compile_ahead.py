@@ -18,7 +18,8 @@ first IR in Python and holds the GIL through parts of its passes, so threads alo
 poorly (on an H200 host 16 threads took longer than 8). The child only compiles and writes
 files, and leaves with ``os._exit``; it makes no CUDA call, so the parent's CUDA context
 does not matter to it. A child that fails leaves the compile to its thread, which then
-raises the real error. ``PEGAINFER_COMPILE_FORK=0`` compiles in the threads themselves.
+raises the real error (kernels/compile_child.py). ``PEGAINFER_COMPILE_FORK=0`` compiles in
+the threads themselves.
 
 The caught pass itself costs a second or two (a forward at every graph size), which is all
 it costs once Triton's disk cache holds the kernels. ``compile_for`` therefore notes each
@@ -37,10 +38,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import signal
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kernels import compile_child
 from kernels.backend import _triton_available, load_triton
 
 if TYPE_CHECKING:
@@ -58,17 +58,7 @@ logger = logging.getLogger(__name__)
 # Compiling in threads, more than 8 took longer (the GIL); forked children each hold their own.
 MAX_THREADS = 8
 MAX_FORKED = 16
-# A child compiling one kernel for longer than this is taken to be stuck (a lock another
-# thread held at the fork, say) and killed; its thread then compiles in the process. The
-# longest compile at start-up takes a few seconds even with every core busy, and the whole
-# pass with an empty cache 3.4-3.6 s on an H200 host: a tighter bound than the 300 s this
-# was keeps a stuck child from stalling the start-up for minutes.
-CHILD_TIMEOUT_S = 60
-# A child still compiling after this long is named in the log (its pid), once.
-CHILD_SLOW_S = 10
 _active = threading.Lock()
-_fork_lock = threading.Lock()
-_fork_seconds = [0.0]  # spent in fork() by this process, all threads together
 # Variables of the environment that pick no kernel; the launcher's pid differs every run.
 _NOT_KERNEL_SETTINGS = frozenset(
     {
@@ -161,7 +151,7 @@ def compile_ahead(threads: int | None = None) -> Iterator[CompileAheadReport]:
     if not _active.acquire(blocking=False):
         raise RuntimeError("compile_ahead is already active")
     started = time.monotonic()
-    forked_before = _fork_seconds[0]
+    forked_before = compile_child.fork_seconds()
     try:
         with ThreadPoolExecutor(report.threads, thread_name_prefix="triton-compile") as pool:
             mode = AsyncCompileMode(_WithLauncher(pool, report, started))
@@ -183,7 +173,7 @@ def compile_ahead(threads: int | None = None) -> Iterator[CompileAheadReport]:
     finally:
         _active.release()
         report.seconds = time.monotonic() - started
-        report.forking = _fork_seconds[0] - forked_before
+        report.forking = compile_child.fork_seconds() - forked_before
 
 
 def _forget_unfinished(filed_kernels: list[tuple[dict, Any, Any]]) -> None:
@@ -217,7 +207,7 @@ class _WithLauncher:
 
 def _compile_with_launcher(compile_kernel: Callable[[], Any], forked: bool = False) -> Any:
     if forked:
-        compiled_in_child(lambda: _build_launcher(compile_kernel()))
+        compile_child.compiled_in_child(lambda: _build_launcher(compile_kernel()))
     kernel = compile_kernel()  # from the disk cache where the child compiled it
     _build_launcher(kernel)
     return kernel
@@ -230,76 +220,6 @@ def _build_launcher(kernel: Any) -> None:
         driver.active.launcher_cls(kernel.src, kernel.metadata)
     except Exception:  # the first launch builds it, and reports a real failure
         logger.debug("building a launcher ahead failed", exc_info=True)
-
-
-def _leave_with_parent() -> None:
-    """In a forked child: die with the parent, and leave its SIGTERM handler (the worker's
-    would tidy up the whole tree's run directory) for the default."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-# Python warns about forking a process with threads. The child here runs only Triton's
-# compiler and its subprocesses and writes files: it needs no lock another thread may hold.
-warnings.filterwarnings(
-    "ignore", message=r".*multi-threaded, use of fork\(\)", category=DeprecationWarning
-)
-
-
-def compiled_in_child(work: Callable[[], Any]) -> bool:
-    """Run ``work`` in a forked child and wait for it; True when it returned. The child
-    leaves with ``os._exit``: no exit handler, buffered output or CUDA teardown of the
-    parent's runs there. False, and nothing run, where the fork fails."""
-    try:
-        # One fork at a time: fork hooks that other libraries register (filelock's) refuse a
-        # fork that starts while another thread's is under way.
-        with _fork_lock:
-            started = time.monotonic()
-            pid = os.fork()
-            if pid:
-                _fork_seconds[0] += time.monotonic() - started
-    except (OSError, RuntimeError):
-        logger.debug("fork failed; compiling in the thread", exc_info=True)
-        return False
-    if pid == 0:  # the child
-        status = 1
-        try:
-            _leave_with_parent()
-            work()
-            status = 0
-        finally:
-            os._exit(status)
-    began = time.monotonic()
-    deadline = began + CHILD_TIMEOUT_S
-    slow_at = began + CHILD_SLOW_S
-    pause = 0.001
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status) == 0
-        now = time.monotonic()
-        if now > slow_at:
-            logger.warning(
-                "a kernel compile in child %d still runs after %g s (killed at %g s)",
-                pid,
-                CHILD_SLOW_S,
-                CHILD_TIMEOUT_S,
-            )
-            slow_at = float("inf")
-        if now > deadline:  # stuck: its thread compiles instead
-            logger.warning(
-                "a kernel compile in child %d took over %g s; killed", pid, CHILD_TIMEOUT_S
-            )
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
 
 
 def fingerprint(what: str, model: torch.nn.Module, *settings: object) -> str:

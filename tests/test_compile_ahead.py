@@ -15,7 +15,7 @@ import torch
 from triton_test_util import CUDA, gen, randn
 from worker_helpers import drive, engine_config, make_tiny_checkpoint
 
-from kernels import compile_ahead
+from kernels import compile_ahead, compile_child
 from kernels.argmax import argmax_rows_ref, argmax_rows_triton
 from pegainfer.protocol import SamplingParams
 
@@ -65,14 +65,14 @@ def test_a_child_does_the_work_and_reports_how_it_ended(tmp_path):
         state.append("child")  # a change to the child's memory only
         written.write_text(str(os.getpid()))
 
-    assert compile_ahead.compiled_in_child(work)
+    assert compile_child.compiled_in_child(work)
     assert int(written.read_text()) != os.getpid()
     assert state == []
 
     def failing():
         raise ValueError("the compile failed")
 
-    assert not compile_ahead.compiled_in_child(failing)
+    assert not compile_child.compiled_in_child(failing)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -106,17 +106,17 @@ def test_a_stuck_child_is_killed_at_the_bound_and_its_thread_compiles(monkeypatc
     killed once ``CHILD_TIMEOUT_S`` has passed, with a warning; the thread then compiles."""
     import time
 
-    monkeypatch.setattr(compile_ahead, "CHILD_SLOW_S", 0.2)
-    monkeypatch.setattr(compile_ahead, "CHILD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(compile_child, "CHILD_SLOW_S", 0.2)
+    monkeypatch.setattr(compile_child, "CHILD_TIMEOUT_S", 0.5)
     started = time.monotonic()
-    with caplog.at_level("WARNING", logger="kernels.compile_ahead"):
-        assert not compile_ahead.compiled_in_child(lambda: time.sleep(60))
+    with caplog.at_level("WARNING", logger="kernels.compile_child"):
+        assert not compile_child.compiled_in_child(lambda: time.sleep(60))
     assert time.monotonic() - started < 10
-    messages = [r.getMessage() for r in caplog.records if r.name == "kernels.compile_ahead"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "kernels.compile_child"]
     assert len(messages) == 2, messages  # named once while slow, then killed
     assert "still runs" in messages[0] and "killed" in messages[1]
     monkeypatch.setattr(compile_ahead, "_build_launcher", lambda kernel: None)
-    monkeypatch.setattr(compile_ahead, "compiled_in_child", lambda work: False)
+    monkeypatch.setattr(compile_child, "compiled_in_child", lambda work: False)
     assert compile_ahead._compile_with_launcher(lambda: "kernel", forked=True) == "kernel"
 
 
@@ -126,7 +126,7 @@ def test_a_refused_fork_leaves_the_compile_to_the_thread(monkeypatch):
 
     monkeypatch.setattr(os, "fork", refuse)
     ran = []
-    assert not compile_ahead.compiled_in_child(lambda: ran.append(1))
+    assert not compile_child.compiled_in_child(lambda: ran.append(1))
     assert ran == []
     monkeypatch.setattr(compile_ahead, "_build_launcher", lambda kernel: None)
     assert compile_ahead._compile_with_launcher(lambda: "kernel", forked=True) == "kernel"
