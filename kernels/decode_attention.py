@@ -15,8 +15,9 @@ How many splits a sequence uses is decided on the device from its own context le
 least ``min_split_tokens`` per split, at most ``max_splits``; a sequence that uses one
 split, or none, is written directly with no merge), so the grid depends only on host
 integers. That keeps the launch CUDA-graph capturable: a graph captured with
-``max_context_len = max_model_len`` replays correctly for any context length; splits a
-short sequence does not need exit at once.
+``max_context_len = max_model_len`` replays correctly for any context length. The programs
+of splits a sequence does not use exit before the PDL wait and are not counted at the merge,
+so a grid sized for long contexts costs short ones little.
 
 The step's rotary, q/k norm and KV write stay a kernel of their own (kernels/rotary.py):
 done inside this kernel, by every split program before its first K/V load, they made
@@ -25,41 +26,28 @@ batch-1 decode slower on an H200 (2.57 against 2.55 ms a step at context 128).
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
 from kernels import attention_merge, pdl
 from kernels.attention_merge import split_counters
 from kernels.backend import (
-    cdiv,
     dot_needs_fp32,
     load_triton,
     next_power_of_2,
-    num_sms,
     triton_jit,
     use_pdl,
+)
+from kernels.decode_splits import (
+    MERGE_CHUNK,
+    choose_max_splits,
+    decode_tile_now,
+    merge_splits_pad,
+    min_split_tokens_now,
 )
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
 LOG2_E = 1.4426950408889634
-# A split covers at least this many tokens. Short splits keep a program's chain of
-# dependent K/V loads short, and the merge inside the kernel costs little: on an H200 (Qwen3-4B
-# heads, one sequence) 64 against 256 took 1k-token decode from 9.6 to 7.2 us a layer, and
-# whole batch-1 steps from 2.49 / 2.63 / 2.72 to 2.40 / 2.48 / 2.68 ms at context 128 / 1k /
-# 4k (alternated; one split up to 256 tokens is slower than two merged).
-# ``PEGAINFER_DECODE_MIN_SPLIT`` replaces it.
-MIN_SPLIT_TOKENS = 64
-MAX_SPLITS = 32
-# A batch is split until about this many programs per SM are in flight, rounded to the
-# nearest whole number of splits. On an H200 (Qwen3-4B heads, 1k contexts, in CUDA graphs)
-# three a SM beat four: 64 sequences took 69.9 us a layer unsplit and 75.7 with 2 splits, 24
-# sequences 32.7 with 2 splits and 40.3 unsplit, 16 sequences 24.3 with 3 and 24.5 with 5.
-PROGRAMS_PER_SM = 3
-# Splits the merge reads per round trip, as one [group, chunk, head_dim] float32 tile.
-MERGE_CHUNK = 8
 
 
 @triton_jit
@@ -119,6 +107,11 @@ def _decode_split_kernel(
     # the kernel before this one, so they may be read before waiting on it (kernels/pdl.py).
     context_len = tl.load(context_lens_ptr + seq)
     per_split, splits_used = _split_bounds(context_len, max_splits, MIN_SPLIT, BLOCK_N)
+    # A split the sequence does not use has nothing to do: it exits before the wait (an
+    # exiting program lets the next kernel launch as its trigger would) and is not counted
+    # at the merge. Split 0 always stays, to write an empty sequence's zero output.
+    if split >= tl.maximum(splits_used, 1):
+        return
     start = split * per_split
     end = tl.minimum(start + per_split, context_len)
     table_row = block_tables_ptr + seq * stride_table_seq
@@ -141,7 +134,7 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    # Empty splits (start >= end) skip the loop and leave l_i = 0.
+    # An empty sequence's split 0 (start >= end) skips the loop and leaves l_i = 0.
     for block_start in range(start, end, BLOCK_N):
         tokens = block_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
@@ -178,29 +171,27 @@ def _decode_split_kernel(
     if SINGLE_SPLIT:
         tl.store(out_ptr + out_offsets, partial.to(out_ptr.dtype.element_ty), mask=q_mask)
     elif splits_used <= 1:
-        # One split used (or none: a padding row, whose split 0 holds zeros): split 0 writes
-        # the output, as in a one-split grid, and no program of the sequence counts in (each
-        # computed the same splits_used). That saves the scratch store, the atomic and the
-        # merge's loads, a chain of round trips that dominates short contexts.
-        direct_mask = (rows < tl.where(split == 0, GROUP, 0))[:, None] & dim_mask[None, :]
-        tl.store(out_ptr + out_offsets, partial.to(out_ptr.dtype.element_ty), mask=direct_mask)
+        # One split used (or none: a padding row, whose split 0 holds zeros): split 0, the
+        # only program left, writes the output as in a one-split grid and does not count in.
+        # That saves the scratch store, the atomic and the merge's loads, a chain of round
+        # trips that dominates short contexts.
+        tl.store(out_ptr + out_offsets, partial.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         # partial_out: [num_seqs, num_heads, max_splits, head_dim] float32, contiguous.
         num_heads = tl.num_programs(1) * GROUP
         first_row = (seq * num_heads + heads) * max_splits  # split 0's scratch row
         row_index = first_row + split
-        store_mask = (rows < tl.where(start < end, GROUP, 0))[:, None] & dim_mask[None, :]
         tl.store(
             partial_out_ptr + row_index[:, None] * head_dim + dims[None, :],
             partial,
-            mask=store_mask,
+            mask=q_mask,
         )
         lse = m_i + tl.log2(safe_l)
-        tl.store(partial_lse_ptr + row_index, lse, mask=rows < tl.where(start < end, GROUP, 0))
-        # Every one of the grid's max_splits programs counts in, those past the sequence's
-        # end too; the last merges the splits_used that hold partials.
+        tl.store(partial_lse_ptr + row_index, lse, mask=rows < GROUP)
+        # The splits_used programs left (each computed the same count) count in; the last
+        # merges their partials.
         counter = split_counters_ptr + seq * tl.num_programs(1) + kv_head
-        if attention_merge.arrive_last(counter, max_splits):
+        if attention_merge.arrive_last(counter, splits_used):
             # The group's real rows only (not the tl.dot padding): a smaller tile lets more
             # splits' loads be in flight at once.
             m_rows = tl.arange(0, GROUP_M)
@@ -226,46 +217,6 @@ def _decode_split_kernel(
                 mask=m_mask[:, None] & dim_mask[None, :],
             )
             tl.store(counter, 0)  # ready for the next launch (or graph replay)
-
-
-@functools.cache
-def min_split_tokens_now() -> int:
-    """``MIN_SPLIT_TOKENS``, or ``PEGAINFER_DECODE_MIN_SPLIT`` where set (read once: an
-    environment read costs about 0.5 us a launch)."""
-    value = int(os.environ.get("PEGAINFER_DECODE_MIN_SPLIT", MIN_SPLIT_TOKENS))
-    if value < 1:
-        raise ValueError(f"PEGAINFER_DECODE_MIN_SPLIT must be a positive token count, got {value}")
-    return value
-
-
-@functools.cache
-def decode_tile_now() -> tuple[int | None, int | None, int | None]:
-    """``PEGAINFER_DECODE_BLOCK_N``, ``PEGAINFER_DECODE_STAGES`` and ``PEGAINFER_DECODE_WARPS``
-    where set (to try another key tile, pipeline depth or program size in whole steps), else
-    ``None`` for the rule's."""
-    picked = []
-    for name in ("PEGAINFER_DECODE_BLOCK_N", "PEGAINFER_DECODE_STAGES", "PEGAINFER_DECODE_WARPS"):
-        value = os.environ.get(name)
-        if value is not None and (not value.isdigit() or int(value) < 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        picked.append(int(value) if value else None)
-    return picked[0], picked[1], picked[2]
-
-
-def choose_max_splits(
-    num_seqs: int,
-    num_kv_heads: int,
-    max_context_len: int,
-    device: torch.device,
-    min_split_tokens: int = MIN_SPLIT_TOKENS,
-) -> int:
-    """Splits per sequence for the grid: enough programs to fill the GPU, never a split
-    shorter than ``min_split_tokens`` at ``max_context_len``. Host integers only."""
-    sms = num_sms(device.index or 0) if device.type == "cuda" else 132
-    pairs = max(num_seqs * num_kv_heads, 1)
-    by_length = cdiv(max(max_context_len, 1), min_split_tokens)
-    by_occupancy = round(PROGRAMS_PER_SM * sms / pairs)
-    return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
 
 def paged_decode_attention_triton(
@@ -382,7 +333,7 @@ def paged_decode_attention_triton(
         PRECISION="ieee" if fp32 else "tf32",
         DOT_FP32=dot_needs_fp32(k_cache.dtype),
         GROUP_M=next_power_of_2(group),
-        SPLITS_PAD=max(next_power_of_2(MAX_SPLITS), next_power_of_2(max_splits)),
+        SPLITS_PAD=merge_splits_pad(max_splits),
         MERGE_CHUNK=merge_chunk,
         USE_PDL=with_pdl,
         LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "decode_attention"),

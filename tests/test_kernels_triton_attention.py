@@ -89,8 +89,9 @@ def test_decode_attention(num_heads, num_kv_heads, block_size, dtype):
     expected = paged_attention_ref(q, k_cache, v_cache, tables, ctx_lens, qsl, scale, 1, 50)
     # One split (output written directly) and several (partials merged): 50 tokens in
     # splits of >= 16 use 4 splits, 5 tokens one (written directly by a split grid too), so
-    # used counts differ per sequence.
-    for max_splits in (1, 4):
+    # used counts differ per sequence; in a grid of 16 splits most programs are unused and
+    # must neither count in at the merge nor write anything.
+    for max_splits in (1, 4, 16):
         with poisoned():
             out = paged_decode_attention_triton(
                 q, k_cache, v_cache, tables, ctx_lens, scale, 50,
@@ -455,27 +456,38 @@ def test_decode_attention_replays_in_a_cuda_graph():
 
 def test_decode_split_policy():
     """A batch is split until about three programs per SM (132 SMs off CUDA) are in flight,
-    never below the minimum split length at the graph's context bound."""
-    from kernels.decode_attention import MAX_SPLITS, choose_max_splits
+    never below the minimum split length at the graph's context bound, nor past MAX_SPLITS."""
+    from kernels.decode_splits import MAX_SPLITS, choose_max_splits
 
     cpu = torch.device("cpu")
     splits = {n: choose_max_splits(n, 8, 40960, cpu) for n in (1, 8, 16, 24, 32, 64, 256)}
     assert splits == {1: MAX_SPLITS, 8: 6, 16: 3, 24: 2, 32: 2, 64: 1, 256: 1}
+    assert choose_max_splits(1, 2, 40960, cpu) == MAX_SPLITS
     assert choose_max_splits(1, 8, 100, cpu, min_split_tokens=64) == 2
+
+
+def test_decode_merge_tile():
+    """Grids of up to 32 splits share the merge's 32-split tile (one compiled variant); a
+    larger one gets a tile that holds every split."""
+    from kernels.decode_splits import MAX_SPLITS, merge_splits_pad
+
+    assert {merge_splits_pad(n) for n in (1, 2, 6, 17, 32)} == {32}
+    assert merge_splits_pad(MAX_SPLITS) >= MAX_SPLITS
+    assert merge_splits_pad(33) == 64
 
 
 def test_shortest_split_setting(monkeypatch):
     """``PEGAINFER_DECODE_MIN_SPLIT`` replaces the shortest split, read once; a count below
     1 is refused."""
-    from kernels import decode_attention
+    from kernels import decode_splits
 
-    cache = decode_attention.min_split_tokens_now
+    cache = decode_splits.min_split_tokens_now
     try:
         monkeypatch.delenv("PEGAINFER_DECODE_MIN_SPLIT", raising=False)
         cache.cache_clear()
-        assert cache() == decode_attention.MIN_SPLIT_TOKENS
+        assert cache() == decode_splits.MIN_SPLIT_TOKENS
         monkeypatch.setenv("PEGAINFER_DECODE_MIN_SPLIT", "256")
-        assert cache() == decode_attention.MIN_SPLIT_TOKENS  # read once
+        assert cache() == decode_splits.MIN_SPLIT_TOKENS  # read once
         cache.cache_clear()
         assert cache() == 256
         monkeypatch.setenv("PEGAINFER_DECODE_MIN_SPLIT", "0")
@@ -490,10 +502,10 @@ def test_shortest_split_setting(monkeypatch):
 def test_decode_tile_settings(monkeypatch):
     """``PEGAINFER_DECODE_BLOCK_N`` / ``_STAGES`` / ``_WARPS`` replace decode attention's tile,
     read once; unset they leave the rule's; anything but a positive integer is refused."""
-    from kernels import decode_attention
+    from kernels import decode_splits
 
     names = ("PEGAINFER_DECODE_BLOCK_N", "PEGAINFER_DECODE_STAGES", "PEGAINFER_DECODE_WARPS")
-    cache = decode_attention.decode_tile_now
+    cache = decode_splits.decode_tile_now
     try:
         for name in names:
             monkeypatch.delenv(name, raising=False)
