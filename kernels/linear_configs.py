@@ -53,7 +53,9 @@ _TARGET_PROGRAMS = 264
 # 9.1 (profiled; 3.21 ms with PDL off, so not PDL's overlap); o so 2.43, qkv at (8, 256, 2, 4)
 # 2.57; every one-row GEMV at 2 / 3 stages 2.59 / 2.71. Again after the norm slots' fix (12-03),
 # context 128: down at (2, 1,024, 4 warps, 2 stages) 2.42 against 2.37, o so 2.39, qkv at (2,
-# 512, 2, 2) 2.45, gate/up at (4, 512, 2, 2) 2.45, every one at 2 stages 2.55.
+# 512, 2, 2) 2.45, gate/up at (4, 512, 2, 2) 2.45, every one at 2 stages 2.55. Loading each
+# step's tiles one step ahead into registers instead (no shared memory) lost too (12-04): 2.44
+# against 2.37 ms for every projection, 2.42 for o and down, 2.39 for gate/up.
 GEMV_STAGES = 1
 
 

@@ -52,7 +52,10 @@ Extra programs of decode attention's grid prefetching the o projection's weight 
 wait, no fork) made batch-1 decode 2.64-2.69 ms a step against 2.60 (tools/README.md); the
 same with sm_90's bulk prefetch (``cp.async.bulk.prefetch.L2``, one instruction a range,
 nothing to wait for), issued by attention's own programs, 2.48 against 2.41 ms: attention's
-K/V loads queued behind the prefetches, and o gained 0.3 us a layer.
+K/V loads queued behind the prefetches, and o gained 0.3 us a layer. Each projection's own
+programs sending their next weight tiles to L2 that way before the wait (one range a row)
+gained nothing either: batch 1 2.36-2.41 against 2.37 ms, 8 / 32 rows 3.19-3.20 / 4.19-4.21
+against 3.16 / 4.15 (tools/README.md, twentieth session).
 Other late launchers than the default were measured in whole steps and none gained (decode
 attention, rotary, the one-row GEMVs), nor did the late-launching skinny GEMM letting its
 successor launch after its K loop rather than at its end (3% slower at 8-32 rows).
