@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from kernels.backend import cdiv
-from kernels.linear import AFTER_IDLE, AFTER_STREAM, MAX_FEATURE_TILES, LinearConfig
+from kernels.gemv import MAX_FEATURE_TILES
+from kernels.linear import AFTER_IDLE, AFTER_STREAM, LinearConfig
 from kernels.skinny_gemm import MAX_ROWS, block_rows
 
 MAX_TRITON_ROWS = MAX_ROWS
@@ -44,7 +45,7 @@ TABLE_DIR = Path(__file__).with_name("linear_tables")
 _TARGET_PROGRAMS = 264
 
 
-# Weight tiles the one-row GEMV's K loop keeps in flight (kernels/linear.py): 1, none; each
+# Weight tiles the one-row GEMV's K loop keeps in flight (kernels/gemv.py): 1, none; each
 # program then has one tile in flight, and its next load waits for the sum of this one.
 # Pipelined tiles win alone and lose in whole steps. On an H200 (Qwen3-4B, tune_linear, weights
 # out of L2) down at (4, 512, 4 warps, 4 stages) took 13.1 us against 15.3 for the rule's tile,

@@ -6,7 +6,7 @@ drain and a ramp even with programmatic dependent launch. ``linear_silu_and_mul`
 features and reads their gate and up weight rows (``i`` and ``i + intermediate`` of the
 fused ``[gate | up]`` weight) side by side in one K loop, so the epilogue has both halves. The projection is rounded to the activation dtype before the epilogue, as the
 separate kernels see it. Two rows take the same loop with both rows in each program
-(``linear_silu_and_mul_rows``, the GEMV of several rows of kernels/linear.py): on an H200 a
+(``linear_silu_and_mul_rows``, the GEMV of several rows of kernels/gemv.py): on an H200 a
 Qwen3-4B decode step of two sequences took 2.82 ms with it against 2.99 with the skinny GEMM
 for gate/up alone (in process, alternated; 3.13 with the skinny GEMM for every projection).
 At 3-64 rows the skinny GEMM does the same (kernels/skinny_gemm.py) where
@@ -30,14 +30,13 @@ import torch
 
 from kernels import pdl, pending_norm, rows_tile
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.backend import cdiv, load_triton, triton_jit, use_pdl
+from kernels.backend import cdiv, load_triton, triton_jit, use_pdl, weight_eviction
 from kernels.linear import (
     LinearConfig,
     linear,
     linear_ref,
     triton_eligible,
     triton_handles,
-    weight_eviction,
 )
 from kernels.pending_norm import PendingNorm
 from kernels.skinny_gemm import MAX_ROWS, skinny_gemm_with
@@ -160,7 +159,7 @@ def _rows_gemv_silu_and_mul_kernel(
     W_EVICT: tl.constexpr = "",
 ):
     """The kernel above for all ``M <= BLOCK_M`` rows in each program, with the tiles of the
-    GEMV of several rows (kernels/linear.py): 3D loads, no layout conversion in the loop."""
+    GEMV of several rows (kernels/gemv.py): 3D loads, no layout conversion in the loop."""
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)

@@ -16,7 +16,7 @@ Rules every kernel launched with PDL keeps, so that no overlap can race:
 
 Which kernels let their successor launch early is ``launches_successor_early``. By default
 all do but the projections of several rows that end in the residual add (the skinny GEMM,
-kernels/skinny_gemm.py, and the GEMV of two rows, kernels/linear.py), which let it launch
+kernels/skinny_gemm.py, and the GEMV of two rows, kernels/gemv.py), which let it launch
 only as they end: launched early, the projection after them made decode steps 3-14% slower
 at 8 and 32 rows and 8% slower at 2 (3.38 against 2.98 ms a step late, H200, Qwen3-4B, in
 process, alternated), most likely because its programs were placed beside the running ones
@@ -29,7 +29,7 @@ What is read before the wait:
   context 128, 8-32 rows up to 1.4% faster: their chain of loads overlaps the projection
   before);
 - the o projection, which follows decode attention (latency bound, the memory bandwidth
-  mostly idle), reads its first weight tiles (``prefetch`` in kernels/linear.py; tiles in
+  mostly idle), reads its first weight tiles (``prefetch`` in kernels/gemv.py; tiles in
   kernels/linear_configs.py): batch-1 steps 2.52 -> 2.46 ms at context 128;
 - the one-row down GEMV, which follows the gate/up GEMV, reads one weight tile: 2.38 ->
   2.35 ms (with the weights' evict-first hint; 2.41 -> 2.40 without it); the skinny down GEMM

@@ -93,9 +93,20 @@ def add_residual_and_square(
     stored projection the separate add+RMSNorm kernel would read, and the norm is taken of
     exactly the rounded sum that the next layer adds back. ``norm_weight`` (float32) is
     broadcast along the tile's other axis."""
+    residual = tl.load(residual_ptrs, mask=mask, other=0.0)
+    return add_loaded_residual_and_square(
+        y, residual, out_ptrs, norm_weight, weighted_ptrs, mask, FEATURE_AXIS
+    )
+
+
+@triton_jit
+def add_loaded_residual_and_square(
+    y, residual, out_ptrs, norm_weight, weighted_ptrs, mask, FEATURE_AXIS: tl.constexpr
+):
+    """``add_residual_and_square`` with the residual tile already loaded (masked with 0), so
+    that a kernel can issue its load ahead of a round trip of its own."""
     out_type = out_ptrs.dtype.element_ty
-    residual = tl.load(residual_ptrs, mask=mask, other=0.0).to(tl.float32)
-    summed = (y.to(out_type).to(tl.float32) + residual).to(out_type)
+    summed = (y.to(out_type).to(tl.float32) + residual.to(tl.float32)).to(out_type)
     tl.store(out_ptrs, summed, mask=mask)
     value = tl.where(mask, summed.to(tl.float32), 0.0)
     tl.store(weighted_ptrs, (value * norm_weight).to(out_type), mask=mask)

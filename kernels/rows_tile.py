@@ -1,4 +1,4 @@
-"""The K step of a GEMV that keeps several rows in each program (kernels/linear.py,
+"""The K step of a GEMV that keeps several rows in each program (kernels/gemv.py,
 kernels/linear_fused.py).
 
 The weight tile ``[1, features, K]`` and the activation tile ``[rows, 1, K]`` are loaded as

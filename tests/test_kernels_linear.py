@@ -10,13 +10,13 @@ import pytest
 import torch
 from triton_test_util import CUDA, DEVICE, check, gen, poisoned, randn, requires_triton
 
+from kernels.backend import weight_eviction
 from kernels.linear import (
     LinearConfig,
     linear,
     linear_ref,
     linear_triton,
     triton_handles,
-    weight_eviction,
 )
 from kernels.linear_configs import MAX_TRITON_ROWS, pick_config
 
@@ -150,7 +150,7 @@ def test_one_row_tiles_can_be_overridden_from_the_environment(monkeypatch):
 
 def test_one_row_tiles_stay_within_the_grid_limit():
     from kernels.backend import cdiv
-    from kernels.linear import MAX_FEATURE_TILES
+    from kernels.gemv import MAX_FEATURE_TILES
 
     for vocab in (151_936, 262_144, 1_000_000):
         config = pick_config(1, vocab, 2560)

@@ -213,7 +213,7 @@ def test_consumer_with_bias_adds_it_after_the_norm():
 def test_one_row_consumers_load_at_least_a_slot_a_thread():
     """A one-row GEMV loads its input's slots in a tile of at least one slot a thread
     (narrower tiles cost registers through the K loop: kernels/pending_norm.py)."""
-    from kernels.linear import in_groups_block
+    from kernels.gemv import in_groups_block
 
     def pending(groups: int) -> PendingNorm:
         row = torch.zeros(1, 8)

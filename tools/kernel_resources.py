@@ -82,7 +82,7 @@ def caught_launches() -> Iterator[list[Launch]]:
     # By module name: the package re-exports functions under some of these names.
     modules = [
         importlib.import_module(f"kernels.{name}")
-        for name in ("decode_attention", "linear", "linear_fused", "rotary", "skinny_gemm")
+        for name in ("decode_attention", "gemv", "linear_fused", "rotary", "skinny_gemm")
     ]
     saved = [(module, module.use_pdl) for module in modules]
     original_run = JITFunction.run

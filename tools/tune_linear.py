@@ -99,7 +99,8 @@ def candidates(
     """Tiles to time: the GEMV's at one row, the skinny GEMM's from two (for an ``N x K``
     weight, those that fit shared memory and give a sensible number of programs)."""
     from kernels.backend import cdiv
-    from kernels.linear import MAX_FEATURE_TILES, LinearConfig
+    from kernels.gemv import MAX_FEATURE_TILES
+    from kernels.linear import LinearConfig
     from kernels.skinny_gemm import block_rows
 
     found = []
