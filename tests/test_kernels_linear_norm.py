@@ -71,10 +71,14 @@ def _producer_inputs(rows: int, n: int, k: int, dtype: torch.dtype, offset: int)
 
 
 def _pending(rows: int, n: int, dtype: torch.dtype, offset: int, config: LinearConfig):
-    """A PendingNorm from a real producer launch, and the normed activation it stands for."""
+    """A PendingNorm from a real producer launch, and the normed activation it stands for:
+    the norm of the producer's own stream, so that a consumer's check does not also carry
+    the producer's rounding (``test_producer_adds_the_residual_and_sums_the_squares`` holds
+    that). Against the norm of the reference's stream, a bf16 silu-and-mul consumer's error
+    came to 1.07e-2 on an H200 for one seed."""
     x, weight, residual, norm_weight = _producer_inputs(rows, n, 48, dtype, offset)
     stream, sums, weighted = linear_add_residual_triton(x, weight, residual, norm_weight, config)
-    want, _ = linear_add_rms_norm_ref(x, weight, residual, norm_weight, EPS)
+    want = rms_norm_ref(stream, norm_weight, EPS)
     return PendingNorm(stream, norm_weight, EPS, sums, weighted), want
 
 
