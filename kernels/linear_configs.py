@@ -18,7 +18,9 @@ gate/up projection fused with silu-and-mul).
 2-64 rows take the skinny GEMM (kernels/skinny_gemm.py) or cuBLAS, per shape, from a table
 that ``tune_linear --emit-table`` writes for one kind of GPU: ``linear_tables/<GPU name>.json``
 beside this file, keyed by the padded row count (16, 32, 64), N, K and whether silu-and-mul
-is fused. ``PEGAINFER_LINEAR_TABLE=PATH`` reads another table (to try a fresh sweep in whole
+is fused; entries set by hand say why in a ``note`` (a tile of more than half a SM's shared
+memory, one program a SM, where a projection's programs otherwise doubled up on some SMs in
+whole steps). ``PEGAINFER_LINEAR_TABLE=PATH`` reads another table (to try a fresh sweep in whole
 steps), and ``PEGAINFER_SKINNY_GEMM=0`` sends every 2-64-row projection to cuBLAS. A shape
 the table lacks takes the rule in ``skinny_rule`` up to 32 rows on a GPU of compute
 capability 9.0 or later, and cuBLAS otherwise: on the H200 the skinny GEMM won every

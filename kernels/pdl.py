@@ -58,7 +58,9 @@ gained nothing either: batch 1 2.36-2.41 against 2.37 ms, 8 / 32 rows 3.19-3.20 
 against 3.16 / 4.15 (tools/README.md, twentieth session).
 Other late launchers than the default were measured in whole steps and none gained (decode
 attention, rotary, the one-row GEMVs), nor did the late-launching skinny GEMM letting its
-successor launch after its K loop rather than at its end (3% slower at 8-32 rows).
+successor launch after its K loop rather than at its end (3% slower at 8-32 rows); nor decode attention
+letting the o projection launch before its own wait (batch 1 and 8-32 rows unchanged) or after
+its K loop (batch 1 2.43 against 2.37 ms at context 128).
 
 A kernel launched without PDL (cuBLAS, torch's own) keeps full stream order on both sides.
 ``kernels.backend.use_pdl`` decides whether a launch uses it (never on CPU, in Triton's
