@@ -182,6 +182,22 @@ def parse_table(payload: dict[str, Any]) -> dict[TableKey, LinearConfig | None]:
     return table
 
 
+def keep_hand_set(payload: dict[str, Any], previous: dict[str, Any]) -> list[dict[str, Any]]:
+    """Carry the entries of ``previous`` that were set by hand (those with a ``note``) into a
+    freshly swept ``payload``, in place of the sweep's entry for the same shape: a sweep times
+    each kernel alone, and those entries record what whole decode steps measured instead.
+    Returns the entries carried."""
+
+    def key(entry: dict[str, Any]) -> TableKey:
+        return (int(entry["block_m"]), int(entry["n"]), int(entry["k"]), bool(entry["silu_mul"]))
+
+    kept = [entry for entry in previous.get("entries", []) if entry.get("note")]
+    by_key = {key(entry): entry for entry in kept}
+    swept = [entry for entry in payload["entries"] if key(entry) not in by_key]
+    payload["entries"] = sorted(swept + kept, key=key)
+    return kept
+
+
 def table_path(device_name: str) -> Path:
     return TABLE_DIR / (device_name.replace(" ", "_") + ".json")
 

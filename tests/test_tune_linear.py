@@ -27,3 +27,70 @@ def test_deep_stages_that_overflow_shared_memory_are_left_out():
 def test_grid_names_are_checked():
     with pytest.raises(ValueError, match="gemv_stages"):
         parse_grid("stage=3")
+
+
+def _entry(block_m: int, n: int, stages: int, **extra) -> dict:
+    return {"block_m": block_m, "n": n, "k": 2560, "silu_mul": False, "kind": "skinny",
+            "block_n": 64, "block_k": 128, "num_warps": 4, "split_k": 2,
+            "num_stages": stages, **extra}  # fmt: skip
+
+
+def test_a_fresh_sweep_keeps_the_entries_set_by_hand():
+    from kernels.linear_configs import keep_hand_set
+
+    swept = {"entries": [_entry(16, 6144, 3), _entry(32, 6144, 3), _entry(16, 2560, 4)]}
+    previous = {
+        "entries": [
+            _entry(16, 6144, 6, note="whole steps"),
+            _entry(32, 6144, 4),  # no note: the sweep's entry replaces it
+            _entry(64, 9728, 5, note="a shape this sweep left out"),
+        ]
+    }
+    kept = keep_hand_set(swept, previous)
+    assert [entry["n"] for entry in kept] == [6144, 9728]
+    stages = {(e["block_m"], e["n"]): e["num_stages"] for e in swept["entries"]}
+    assert stages == {(16, 2560): 4, (16, 6144): 6, (32, 6144): 3, (64, 9728): 5}
+
+
+def test_the_shipped_table_says_why_each_hand_set_entry_differs():
+    """Every H200 entry set by hand carries its reason and still parses to a skinny tile."""
+    import json
+
+    from kernels.linear_configs import TABLE_DIR, parse_table
+
+    payload = json.loads((TABLE_DIR / "NVIDIA_H200.json").read_text())
+    hand_set = [entry for entry in payload["entries"] if "note" in entry]
+    assert {(e["block_m"], e["n"], e["k"]) for e in hand_set} == {
+        (16, 2560, 4096),
+        (16, 6144, 2560),
+        (32, 6144, 2560),
+    }
+    table = parse_table(payload)
+    for entry in hand_set:
+        assert len(entry["note"]) > 40
+        config = table[(entry["block_m"], entry["n"], entry["k"], entry["silu_mul"])]
+        assert config is not None and config.num_stages == entry["num_stages"]
+
+
+def test_emitting_a_table_over_one_with_hand_set_entries(tmp_path, capsys):
+    import json
+
+    from tools.linear_table import write_table
+
+    best = _entry(16, 6144, 3, paired=False)
+    records = [
+        {"rows": 8, "n": 6144, "k": 2560, "silu_mul": False, "best": best, "best_us": 10.0,
+         "cublas_us": 11.0},
+        {"rows": 8, "n": 2560, "k": 2560, "silu_mul": False, "best": best, "best_us": 10.0,
+         "cublas_us": 10.1},  # within --min-gain of cuBLAS
+    ]  # fmt: skip
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"entries": [_entry(16, 6144, 6, note="whole steps")]}))
+    write_table(records, str(path), 0.02, "test", keep_notes=True)
+    entries = {e["n"]: e for e in json.loads(path.read_text())["entries"]}
+    assert entries[6144]["num_stages"] == 6 and entries[6144]["note"] == "whole steps"
+    assert entries[2560]["kind"] == "cublas"
+    assert "kept the hand-set entry of 16 rows, 6144 x 2560" in capsys.readouterr().out
+    write_table(records, str(path), 0.02, "test", keep_notes=False)
+    entries = {e["n"]: e for e in json.loads(path.read_text())["entries"]}
+    assert entries[6144]["num_stages"] == 3 and "note" not in entries[6144]

@@ -15,7 +15,8 @@ processes so the timing process finds them in Triton's cache.
 
 ``--emit-table PATH`` writes the skinny GEMM's table (kernels/linear_configs.py) from the
 sweep: per padded row count and projection the best tile, or cuBLAS where no tile beats it
-by ``--min-gain``.
+by ``--min-gain``. Entries of the file already there that carry a ``note`` (set by hand from
+whole decode steps) are kept unless ``--drop-hand-set``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import multiprocessing
 import statistics
 from collections.abc import Callable
@@ -263,65 +263,6 @@ def measure_one(
     }
 
 
-def describe(config: dict[str, Any] | None) -> str:
-    if config is None:
-        return "cuBLAS"
-    return (
-        f"{config['kind']} m{config['block_m']} n{config['block_n']} k{config['block_k']} "
-        f"w{config['num_warps']} s{config['num_stages']} sk{config['split_k']}"
-        + (" paired" if config.get("paired") else "")
-    )
-
-
-def emit_table(records: list[dict[str, Any]], min_gain: float, device: str) -> dict[str, Any]:
-    """The skinny GEMM's table from a sweep: per (padded rows, N, K, silu) the best tile of
-    the largest row count swept there, or cuBLAS where none beats it by ``min_gain``."""
-    from kernels.skinny_gemm import block_rows
-
-    chosen: dict[tuple[int, int, int, bool], dict[str, Any]] = {}
-    for record in sorted(records, key=lambda r: r["rows"]):
-        if record["rows"] < 2:
-            continue
-        key = (block_rows(record["rows"]), record["n"], record["k"], record["silu_mul"])
-        chosen[key] = record
-    entries = []
-    for (block_m, n, k, silu_mul), record in sorted(chosen.items()):
-        entry: dict[str, Any] = {"block_m": block_m, "n": n, "k": k, "silu_mul": silu_mul}
-        best = record["best"]
-        wins = best is not None and record["best_us"] < record["cublas_us"] * (1 - min_gain)
-        if wins and best["kind"] == "skinny":
-            entry["kind"] = "skinny"
-            for field in ("block_n", "block_k", "num_warps", "split_k", "num_stages", "paired"):
-                entry[field] = best[field]
-        else:
-            entry["kind"] = "cublas"
-        entry["us"] = round(record["best_us"] if wins else record["cublas_us"], 2)
-        entry["cublas_us"] = round(record["cublas_us"], 2)
-        entry["swept_rows"] = record["rows"]
-        entries.append(entry)
-    return {"device": device, "source": "python -m tools.tune_linear", "entries": entries}
-
-
-def table_row(record: dict[str, Any], copy_bw: float) -> list[Any]:
-    moved = record["bytes"]
-
-    def bw(us: float) -> str:
-        rate = moved / (us * 1e-6)
-        return f"{rate / 1e12:.2f} ({rate / copy_bw:.0%})"
-
-    return [
-        record["projection"],
-        record["rows"],
-        f"{record['cublas_us']:.1f}",
-        bw(record["cublas_us"]),
-        f"{record['default_us']:.1f}",
-        bw(record["default_us"]),
-        f"{record['best_us']:.1f}",
-        bw(record["best_us"]),
-        describe(record["best"]),
-    ]
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="4b", choices=sorted(PRESETS))
@@ -342,6 +283,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--emit-table", default="", help="write the skinny GEMM's table here")
     p.add_argument("--min-gain", type=float, default=0.02, help="share a tile must beat cuBLAS by")
+    p.add_argument(
+        "--drop-hand-set",
+        action="store_true",
+        help="replace the entries of --emit-table's file that carry a note, too",
+    )
     p.add_argument("--out", default="bench_results")
     p.add_argument("--name", default="tune_linear")
     args = p.parse_args(argv)
@@ -356,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run_metadata,
         save_json,
     )
+    from tools.linear_table import table_row, write_table
 
     device = torch.device("cuda")
     rows_list = parse_int_list(args.rows)
@@ -423,11 +370,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {"meta": run_metadata(argv), "copy_bandwidth": copy_bw, "results": records}
     save_json(args.out, args.name, payload)
     if args.emit_table:
-        table_json = emit_table(records, args.min_gain, torch.cuda.get_device_name(device))
-        with open(args.emit_table, "w") as f:
-            json.dump(table_json, f, indent=1)
-            f.write("\n")
-        print(f"wrote {len(table_json['entries'])} table entries to {args.emit_table}")
+        write_table(
+            records,
+            args.emit_table,
+            args.min_gain,
+            torch.cuda.get_device_name(device),
+            keep_notes=not args.drop_hand_set,
+        )
     return payload
 
 
