@@ -1,6 +1,6 @@
 """The split policy of decode attention (kernels/decode_splits.py): host integers only, so
 these run anywhere; the kernel itself is held to its reference in
-tests/test_kernels_triton_attention.py."""
+tests/test_kernels_decode_attention.py."""
 
 import pytest
 import torch

@@ -1,14 +1,14 @@
 """The in-kernel split merge (kernels/attention_merge.py): the persistent counter buffer,
 the last-arrival test and the merge of partials, each on its own; on CUDA also split
 attention replayed in a CUDA graph. The decode kernel that uses them is tested against the
-reference in test_kernels_triton_attention.py.
+reference in test_kernels_decode_attention.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels_triton_attention import QWEN3_4B, build_paged
+from attention_test_util import QWEN3_4B, build_paged
 from triton_test_util import DEVICE, SEED, check, gen, gpu_only, randn, requires_triton
 
 import kernels.attention_merge as attention_merge

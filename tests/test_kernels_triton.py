@@ -1,7 +1,8 @@
 """Triton kernels against their PyTorch references: RMSNorm (plain and fused with the
 residual add), SiLU-and-multiply, rotary embedding (plain and fused with the KV-cache
 write), the KV-cache write, and the dispatch rules. Attention is in
-test_kernels_triton_attention.py; interpreter setup and poisoning in triton_test_util.py.
+test_kernels_decode_attention.py and test_kernels_triton_attention.py (prefill); interpreter
+setup and poisoning in triton_test_util.py.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ tests)
   step gpu_golden python3 -m pytest -v -s -rs -p no:cacheprovider tests/test_gpu_golden.py
   step gpu_tests python3 -m pytest -v -rs -p no:cacheprovider \
     tests/test_model_golden.py tests/test_kernels_triton.py \
-    tests/test_kernels_triton_attention.py tests/test_kernels_attention_merge.py \
+    tests/test_kernels_triton_attention.py tests/test_kernels_decode_attention.py \
+    tests/test_kernels_attention_merge.py \
     tests/test_kernels_linear.py tests/test_kernels_linear_fused.py tests/test_prefill_work.py \
     tests/test_kernels_skinny_gemm.py tests/test_kernels_linear_norm.py \
     tests/test_kernels_argmax.py tests/test_kernels_embedding.py \
