@@ -38,7 +38,9 @@ class LinearConfig:
     two; ``num_stages`` weight tiles its K loop keeps in flight through shared memory, 1 for
     none) or "skinny" (kernels/skinny_gemm.py: all rows, up to 64, in one tile; ``split_k``
     programs over K; ``paired``: the gate/up projection with silu-and-mul reads its gate and
-    up rows in one K loop instead of one loop after the other)."""
+    up rows in one K loop instead of one loop after the other; ``groups`` > 0: the features
+    are divided evenly over that many programs per split, each within a ``block_n`` tile,
+    instead of in whole tiles, so that a grid of one program per SM carries equal work)."""
 
     kind: str
     block_n: int
@@ -48,6 +50,7 @@ class LinearConfig:
     split_k: int = 1
     num_stages: int = 3
     paired: bool = False
+    groups: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("gemv", "skinny"):

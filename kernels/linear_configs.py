@@ -178,6 +178,7 @@ def parse_table(payload: dict[str, Any]) -> dict[TableKey, LinearConfig | None]:
             int(entry["split_k"]),
             int(entry["num_stages"]),
             bool(entry.get("paired", False)),
+            int(entry.get("groups", 0)),
         )
     return table
 

@@ -105,6 +105,7 @@ def _skinny_gemm_kernel(
     LAUNCH_SUCCESSOR: tl.constexpr,
     PREFETCH_TILES: tl.constexpr,
     W_EVICT: tl.constexpr,
+    BALANCED: tl.constexpr,
 ):
     skinny_tile.skinny_gemm_tile(
         x_ptr,
@@ -144,6 +145,7 @@ def _skinny_gemm_kernel(
         LAUNCH_SUCCESSOR,
         PREFETCH_TILES,
         W_EVICT,
+        BALANCED,
     )
 
 
@@ -184,6 +186,7 @@ def _skinny_gemm_silu_and_mul_kernel(
     PAIRED: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
     W_EVICT: tl.constexpr,
+    BALANCED: tl.constexpr,
 ):
     skinny_tile.skinny_gemm_tile(
         x_ptr,
@@ -223,6 +226,7 @@ def _skinny_gemm_silu_and_mul_kernel(
         LAUNCH_SUCCESSOR,
         0,
         W_EVICT,
+        BALANCED,
     )
 
 
@@ -246,6 +250,7 @@ def skinny_gemm(
     norm_weight: torch.Tensor | None = None,
     paired: bool = False,
     prefetch_tiles: int = 0,
+    groups: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [M, K] @ weight [N, K].T (+ bias) -> [M, N]`` for ``1 <= M <= 64``; with
     ``silu_mul``, ``weight`` is ``[gate | up]`` (``2 * n`` rows, no bias) and the result
@@ -255,7 +260,10 @@ def skinny_gemm(
     applied. With ``residual [M, N]`` and ``norm_weight [N]`` the result is ``(s, square
     sums [M, tiles], s * norm_weight)`` for ``s = round(x @ weight.T) + residual``: what the
     norm that follows needs (kernels/pending_norm.py). A plain projection may read
-    ``prefetch_tiles`` weight tiles of its split before the PDL wait."""
+    ``prefetch_tiles`` weight tiles of its split before the PDL wait.
+
+    ``groups`` > 0 divides the N features evenly over that many programs per split (each
+    at most ``block_n``) instead of tiles of ``block_n``: a grid the size of the GPU."""
     num_rows, k = x.shape
     if not 0 < num_rows <= MAX_ROWS:
         raise ValueError(f"the skinny GEMM takes 1-{MAX_ROWS} rows, got {num_rows}")
@@ -279,6 +287,10 @@ def skinny_gemm(
     k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
     split_k = cdiv(k, k_per_split)
     num_tiles = cdiv(n, block_n)
+    if groups:
+        if cdiv(n, groups) > block_n or groups > n:
+            raise ValueError(f"{groups} groups of at most {block_n} cannot cover {n} features")
+        num_tiles = groups
     if split_k > 1:
         parts = 2 if silu_mul else 1
         partial = torch.empty(
@@ -333,6 +345,7 @@ def skinny_gemm(
             with_pdl, "skinny_add" if residual is not None else "skinny"
         ),
         W_EVICT=weight_eviction(),
+        BALANCED=groups > 0,
         num_warps=num_warps,
         num_stages=num_stages,
         **({"PAIRED": paired} if silu_mul else {}),
@@ -369,6 +382,7 @@ def skinny_gemm_with(
         silu_mul=silu_mul,
         normed=normed,
         paired=config.paired,
+        groups=config.groups,
     )
     assert isinstance(out, torch.Tensor)
     return out
@@ -391,6 +405,7 @@ def skinny_gemm_add_residual(
         residual=residual,
         norm_weight=norm_weight,
         prefetch_tiles=prefetch_tiles,
+        groups=config.groups,
     )
     assert isinstance(out, tuple)
     return out

@@ -16,6 +16,7 @@ def _tile_dot(
     acc,
     x_rows,
     w_rows,
+    w_mask,
     k_begin,
     k_end,
     K,
@@ -23,19 +24,17 @@ def _tile_dot(
     EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
     W_EVICT: tl.constexpr,
+    MASK_W: tl.constexpr,
 ):
-    """``acc += w[features, k_begin:k_end] @ x[rows, k_begin:k_end].T``."""
+    """``acc += w[features, k_begin:k_end] @ x[rows, k_begin:k_end].T``; with ``MASK_W`` the
+    weight rows off ``w_mask`` ([BLOCK_N, 1]) are not read."""
     for k_start in range(k_begin, k_end, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
+        w = _weight_tile(w_rows, w_mask, ks, K, EVEN_K, W_EVICT, MASK_W)
         if EVEN_K:
-            w = tl.load(w_rows + ks[None, :], eviction_policy=W_EVICT)
             x = tl.load(x_rows + ks[None, :])
         else:
-            k_mask = ks < K
-            w = tl.load(
-                w_rows + ks[None, :], mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT
-            )
-            x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_rows + ks[None, :], mask=(ks < K)[None, :], other=0.0)
         if DOT_FP32:
             w = w.to(tl.float32)
             x = x.to(tl.float32)
@@ -44,9 +43,49 @@ def _tile_dot(
 
 
 @triton_jit
+def _weight_tile(
+    w_rows,
+    w_mask,
+    ks,
+    K,
+    EVEN_K: tl.constexpr,
+    W_EVICT: tl.constexpr,
+    MASK_W: tl.constexpr,
+):
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile at ``ks``; masked rows (``MASK_W``) are zero
+    and cost no memory traffic."""
+    if EVEN_K:
+        if MASK_W:
+            return tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0, eviction_policy=W_EVICT)
+        return tl.load(w_rows + ks[None, :], eviction_policy=W_EVICT)
+    mask = (ks < K)[None, :]
+    if MASK_W:
+        mask = mask & w_mask
+    return tl.load(w_rows + ks[None, :], mask=mask, other=0.0, eviction_policy=W_EVICT)
+
+
+@triton_jit
 def _split_tile(rows, k_begin, index, k_end, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
     ks = k_begin + index * BLOCK_K + tl.arange(0, BLOCK_K)
     return tl.load(rows + ks[None, :], mask=(ks < k_end)[None, :], other=0.0, eviction_policy=EVICT)
+
+
+@triton_jit
+def _split_weight_tile(
+    w_rows,
+    w_mask,
+    k_begin,
+    index,
+    k_end,
+    BLOCK_K: tl.constexpr,
+    EVICT: tl.constexpr,
+    MASK_W: tl.constexpr,
+):
+    ks = k_begin + index * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (ks < k_end)[None, :]
+    if MASK_W:
+        mask = mask & w_mask
+    return tl.load(w_rows + ks[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
 
 
 @triton_jit
@@ -67,6 +106,7 @@ def _tile_dot_pair(
     x_rows,
     w_rows,
     up_rows,
+    w_mask,
     k_begin,
     k_end,
     K,
@@ -74,24 +114,18 @@ def _tile_dot_pair(
     EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
     W_EVICT: tl.constexpr,
+    MASK_W: tl.constexpr,
 ):
     """``_tile_dot`` of the gate rows and the up rows in one K loop: each activation tile is
     read once for both, and one load pipeline runs from the first K step to the last."""
     for k_start in range(k_begin, k_end, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
+        w = _weight_tile(w_rows, w_mask, ks, K, EVEN_K, W_EVICT, MASK_W)
+        up_w = _weight_tile(up_rows, w_mask, ks, K, EVEN_K, W_EVICT, MASK_W)
         if EVEN_K:
-            w = tl.load(w_rows + ks[None, :], eviction_policy=W_EVICT)
-            up_w = tl.load(up_rows + ks[None, :], eviction_policy=W_EVICT)
             x = tl.load(x_rows + ks[None, :])
         else:
-            k_mask = ks < K
-            w = tl.load(
-                w_rows + ks[None, :], mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT
-            )
-            up_w = tl.load(
-                up_rows + ks[None, :], mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT
-            )
-            x = tl.load(x_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_rows + ks[None, :], mask=(ks < K)[None, :], other=0.0)
         if DOT_FP32:
             w = w.to(tl.float32)
             up_w = up_w.to(tl.float32)
@@ -157,15 +191,25 @@ def skinny_gemm_tile(
     LAUNCH_SUCCESSOR: tl.constexpr,
     PREFETCH_TILES: tl.constexpr,
     W_EVICT: tl.constexpr,
+    BALANCED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
-    features = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    if BALANCED:
+        # Programs own N / num_programs features each, within a tile of BLOCK_N.
+        first = (tile * N) // tl.num_programs(0)
+        end = ((tile + 1) * N) // tl.num_programs(0)
+    else:
+        first = tile * BLOCK_N
+        end = N
+    features = first + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
-    feature_mask = features < N
+    feature_mask = features < end
     row_mask = rows < M
-    # Clamped rather than masked: padding rows and features re-read valid ones and are
-    # never stored, so the loads need no mask.
+    # Padding rows re-read valid ones (clamped) and are never stored, so their loads need no
+    # mask; so do the padding features of a tile past N. A balanced program's padding
+    # features are masked instead: they are most of a tile, and would read its neighbours'.
+    w_mask = feature_mask[:, None]
     safe_features = tl.where(feature_mask, features, 0).to(tl.int64)
     safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
     w_rows = w_ptr + safe_features[:, None] * stride_w_row
@@ -174,9 +218,9 @@ def skinny_gemm_tile(
     k_end = tl.minimum(k_begin + k_per_split, K)
     # Weights are written before the step: the split's first tiles may be read before the wait.
     if PREFETCH_TILES >= 1:
-        w_0 = _split_tile(w_rows, k_begin, 0, k_end, BLOCK_K, W_EVICT)
+        w_0 = _split_weight_tile(w_rows, w_mask, k_begin, 0, k_end, BLOCK_K, W_EVICT, BALANCED)
     if PREFETCH_TILES >= 2:
-        w_1 = _split_tile(w_rows, k_begin, 1, k_end, BLOCK_K, W_EVICT)
+        w_1 = _split_weight_tile(w_rows, w_mask, k_begin, 1, k_end, BLOCK_K, W_EVICT, BALANCED)
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     if NORMED:
         square_sums = pending_norm.load_square_sums(
@@ -193,6 +237,7 @@ def skinny_gemm_tile(
                 x_rows,
                 w_rows,
                 w_rows + N * stride_w_row,
+                w_mask,
                 k_begin,
                 k_end,
                 K,
@@ -200,14 +245,36 @@ def skinny_gemm_tile(
                 EVEN_K,
                 DOT_FP32,
                 W_EVICT,
+                BALANCED,
             )
         else:
             acc = _tile_dot(
-                acc, x_rows, w_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32, W_EVICT
+                acc,
+                x_rows,
+                w_rows,
+                w_mask,
+                k_begin,
+                k_end,
+                K,
+                BLOCK_K,
+                EVEN_K,
+                DOT_FP32,
+                W_EVICT,
+                BALANCED,
             )
-            up_rows = w_rows + N * stride_w_row
             up_acc = _tile_dot(
-                up_acc, x_rows, up_rows, k_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32, W_EVICT
+                up_acc,
+                x_rows,
+                w_rows + N * stride_w_row,
+                w_mask,
+                k_begin,
+                k_end,
+                K,
+                BLOCK_K,
+                EVEN_K,
+                DOT_FP32,
+                W_EVICT,
+                BALANCED,
             )
     else:
         if PREFETCH_TILES >= 1:
@@ -216,7 +283,18 @@ def skinny_gemm_tile(
             acc = _prefetched_dot(acc, w_1, x_rows, k_begin, 1, k_end, BLOCK_K, DOT_FP32)
         loop_begin = tl.minimum(k_begin + PREFETCH_TILES * BLOCK_K, k_end)
         acc = _tile_dot(
-            acc, x_rows, w_rows, loop_begin, k_end, K, BLOCK_K, EVEN_K, DOT_FP32, W_EVICT
+            acc,
+            x_rows,
+            w_rows,
+            w_mask,
+            loop_begin,
+            k_end,
+            K,
+            BLOCK_K,
+            EVEN_K,
+            DOT_FP32,
+            W_EVICT,
+            BALANCED,
         )
 
     last = True

@@ -54,6 +54,8 @@ PRODUCERS = [
     (2, 80, 96, LinearConfig("skinny", 16, 32, 4, 16, 3, 2)),
     (5, 72, 64, LinearConfig("skinny", 16, 32, 4, 16, 1, 2)),
     (20, 40, 128, LinearConfig("skinny", 32, 32, 4, 32, 2, 2)),
+    (5, 72, 64, LinearConfig("skinny", 16, 32, 4, 16, 1, 2, groups=5)),
+    (20, 70, 128, LinearConfig("skinny", 32, 32, 4, 32, 2, 2, groups=3)),
 ]
 
 
@@ -112,6 +114,7 @@ PREFETCHED = [
     (2, 40, 80, LinearConfig("gemv", 2, 32, 1, block_m=2)),
     (2, 80, 96, LinearConfig("skinny", 16, 32, 4, 16, 3, 2)),
     (20, 40, 100, LinearConfig("skinny", 32, 32, 4, 32, 2, 2)),
+    (2, 80, 96, LinearConfig("skinny", 16, 32, 4, 16, 3, 2, groups=6)),
 ]
 
 
@@ -173,8 +176,8 @@ def test_prefetch_tiles_stay_within_the_weight(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "producer",
-    [PRODUCERS[0], PRODUCERS[2], PRODUCERS[4], PRODUCERS[6]],
-    ids=["gemv", "gemv_rows2", "skinny_split", "skinny_rows32"],
+    [PRODUCERS[0], PRODUCERS[2], PRODUCERS[4], PRODUCERS[6], PRODUCERS[8]],
+    ids=["gemv", "gemv_rows2", "skinny_split", "skinny_rows32", "skinny_balanced"],
 )
 def test_consumers_apply_the_pending_norm(dtype, producer):
     rows, n, _, config = producer

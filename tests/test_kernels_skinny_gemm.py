@@ -82,6 +82,50 @@ def test_skinny_gemm_matches_reference(
     assert _counters_clear(), "a split launch left a tile counter set"
 
 
+# (rows, N, K, block_n, block_k, split_k, groups): features divided evenly over the programs,
+# N / groups not whole, split or not, a K the chunk does not divide, every padded row count.
+BALANCED = [
+    (3, 37, 96, 16, 32, 1, 3),
+    (8, 70, 80, 16, 32, 2, 5),
+    (20, 100, 128, 32, 32, 3, 4),
+    (40, 64, 64, 16, 16, 1, 7),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "silu_mul,paired",
+    [(False, False), (True, False), (True, True)],
+    ids=["plain", "silu_mul", "silu_mul_paired"],
+)
+@pytest.mark.parametrize("rows,n,k,block_n,block_k,split_k,groups", BALANCED)
+def test_balanced_groups_match_reference(
+    dtype, silu_mul, paired, rows, n, k, block_n, block_k, split_k, groups
+):
+    x, weight = _operands(rows, 2 * n if silu_mul else n, k, dtype, rows + n + k + groups)
+    bias = None if silu_mul else randn(n, g=gen(n), dtype=dtype)
+    config = LinearConfig(
+        "skinny", block_n, block_k, 4, block_rows(rows), split_k, 2, paired, groups
+    )
+    with poisoned():
+        out = skinny_gemm_with(x, weight, bias, config, silu_mul=silu_mul)
+    want = _reference(x, weight, silu_mul, bias)
+    if silu_mul and not CUDA and dtype == torch.bfloat16:
+        gate, up = _truncated(x.float() @ weight.float().T).chunk(2, dim=-1)
+        want = _truncated(torch.nn.functional.silu(gate) * up).to(dtype)
+    check(out, want, f"balanced rows={rows} n={n} k={k} {config}")
+    assert _counters_clear(), "a split launch left a tile counter set"
+
+
+def test_balanced_groups_must_cover_the_features():
+    x = torch.zeros(4, 32, dtype=torch.float16, device=DEVICE)
+    w = torch.zeros(40, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="cannot cover 40 features"):
+        skinny_gemm(x, w, None, 16, 32, 1, groups=2)  # 20 a program, past the tile
+    with pytest.raises(ValueError, match="cannot cover 40 features"):
+        skinny_gemm(x, w, None, 16, 32, 1, groups=41)  # a program with none
+
+
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_bias_is_added_once_over_the_splits(split_k):
     dtype = torch.float16
@@ -148,6 +192,9 @@ def test_table_picks_per_padded_rows_and_shape(monkeypatch, tmp_path):
         {"block_m": 16, "n": 19456, "k": 2560, "silu_mul": True, "kind": "skinny",
          "block_n": 64, "block_k": 128, "num_warps": 4, "split_k": 1, "num_stages": 4,
          "paired": True},
+        {"block_m": 32, "n": 6144, "k": 2560, "silu_mul": False, "kind": "skinny",
+         "block_n": 64, "block_k": 128, "num_warps": 4, "split_k": 1, "num_stages": 6,
+         "groups": 132},
     ]  # fmt: skip
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"device": "test", "entries": entries}))
@@ -160,6 +207,8 @@ def test_table_picks_per_padded_rows_and_shape(monkeypatch, tmp_path):
     fused = skinny_config(8, 19456, 2560, silu_mul=True)
     assert fused.block_n == 64 and fused.paired
     assert not skinny_config(2, 2560, 4096).paired  # no field: one loop after the other
+    assert skinny_config(2, 2560, 4096).groups == 0  # no field: whole tiles
+    assert skinny_config(32, 6144, 2560).groups == 132
     assert skinny_config(8, 19456, 2560) == skinny_rule(8, 19456, 2560)  # not in the table
     assert skinny_config(40, 19456, 2560) is None  # nor that: past 32 rows cuBLAS
     monkeypatch.setenv("PEGAINFER_SKINNY_GEMM", "0")

@@ -15,6 +15,7 @@ def describe(config: dict[str, Any] | None) -> str:
         f"{config['kind']} m{config['block_m']} n{config['block_n']} k{config['block_k']} "
         f"w{config['num_warps']} s{config['num_stages']} sk{config['split_k']}"
         + (" paired" if config.get("paired") else "")
+        + (f" g{config['groups']}" if config.get("groups") else "")
     )
 
 
@@ -58,6 +59,8 @@ def emit_table(records: list[dict[str, Any]], min_gain: float, device: str) -> d
             entry["kind"] = "skinny"
             for field in ("block_n", "block_k", "num_warps", "split_k", "num_stages", "paired"):
                 entry[field] = best[field]
+            if best.get("groups"):
+                entry["groups"] = best["groups"]
         else:
             entry["kind"] = "cublas"
         entry["us"] = round(record["best_us"] if wins else record["cublas_us"], 2)
