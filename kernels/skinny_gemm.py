@@ -25,6 +25,13 @@ follows the gate loop. The table picks per row count: on an H200 (Qwen3-4B, weig
 L2) paired took 27.5 against 29.1 us at 8 rows, and lost at 32 (29.9 against 27.5), where
 its larger stages leave fewer programs resident.
 
+A table entry's ``groups`` divides the features evenly over that many programs per split,
+each inside a ``BLOCK_N`` tile with its padding features masked out of the loads, instead of
+whole tiles: on an H200 the gate/up projection's 9,728 features in 152 tiles of 64 put two
+programs on 20 of the 132 SMs, and 132 groups of 73-74 took batch-4 decode steps from 3.04 to
+2.96 ms (qkv, o and down lost with groups: kernels/linear_tables/NVIDIA_H200.json's notes,
+tools/README.md).
+
 A projection can also end in the residual add of a pending RMSNorm, or apply one on its
 way in (``ADD_NORM`` and ``NORMED``, kernels/pending_norm.py). One that ends in the add
 lets the next kernel launch (PDL) only as it ends (``pdl.launches_successor_early``).
