@@ -25,12 +25,9 @@ follows the gate loop. The table picks per row count: on an H200 (Qwen3-4B, weig
 L2) paired took 27.5 against 29.1 us at 8 rows, and lost at 32 (29.9 against 27.5), where
 its larger stages leave fewer programs resident.
 
-A table entry's ``groups`` divides the features evenly over that many programs per split,
-each inside a ``BLOCK_N`` tile with its padding features masked out of the loads, instead of
-whole tiles: on an H200 the gate/up projection's 9,728 features in 152 tiles of 64 put two
-programs on 20 of the 132 SMs, and 132 groups of 73-74 took batch-4 decode steps from 3.04 to
-2.96 ms (qkv, o and down lost with groups: kernels/linear_tables/NVIDIA_H200.json's notes,
-tools/README.md).
+``groups`` divides the features evenly over that many programs a split, each in a
+``BLOCK_N`` tile whose padding is masked out of the loads: a grid of one program per SM (the
+H200 table's gate/up; its notes say what it gained and where groups lost).
 
 A projection can also end in the residual add of a pending RMSNorm, or apply one on its
 way in (``ADD_NORM`` and ``NORMED``, kernels/pending_norm.py). One that ends in the add
@@ -269,8 +266,8 @@ def skinny_gemm(
     norm that follows needs (kernels/pending_norm.py). A plain projection may read
     ``prefetch_tiles`` weight tiles of its split before the PDL wait.
 
-    ``groups`` > 0 divides the N features evenly over that many programs per split (each
-    at most ``block_n``) instead of tiles of ``block_n``: a grid the size of the GPU."""
+    ``groups`` > 0 divides the N features evenly over that many programs a split, each at
+    most ``block_n``, instead of tiles of ``block_n``."""
     num_rows, k = x.shape
     if not 0 < num_rows <= MAX_ROWS:
         raise ValueError(f"the skinny GEMM takes 1-{MAX_ROWS} rows, got {num_rows}")
@@ -362,14 +359,16 @@ def skinny_gemm(
     return out if out_sums is None else (out, out_sums, weighted)
 
 
-def _tile_args(config: LinearConfig) -> tuple[int, ...]:
-    return (
-        config.block_n,
-        config.block_k,
-        config.split_k,
-        config.num_warps,
-        config.num_stages,
-    )
+def _tile(config: LinearConfig) -> dict[str, int]:
+    """``skinny_gemm``'s tile arguments from a ``LinearConfig`` (kernels/linear_configs.py)."""
+    return {
+        "block_n": config.block_n,
+        "block_k": config.block_k,
+        "split_k": config.split_k,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+        "groups": config.groups,
+    }
 
 
 def skinny_gemm_with(
@@ -380,16 +379,9 @@ def skinny_gemm_with(
     silu_mul: bool = False,
     normed: PendingNorm | None = None,
 ) -> torch.Tensor:
-    """``skinny_gemm`` with the tile of a ``LinearConfig`` (kernels/linear_configs.py)."""
+    """``skinny_gemm`` with the tile of a ``LinearConfig``."""
     out = skinny_gemm(
-        x,
-        weight,
-        bias,
-        *_tile_args(config),
-        silu_mul=silu_mul,
-        normed=normed,
-        paired=config.paired,
-        groups=config.groups,
+        x, weight, bias, silu_mul=silu_mul, normed=normed, paired=config.paired, **_tile(config)
     )
     assert isinstance(out, torch.Tensor)
     return out
@@ -408,11 +400,10 @@ def skinny_gemm_add_residual(
         x,
         weight,
         None,
-        *_tile_args(config),
         residual=residual,
         norm_weight=norm_weight,
         prefetch_tiles=prefetch_tiles,
-        groups=config.groups,
+        **_tile(config),
     )
     assert isinstance(out, tuple)
     return out
