@@ -24,6 +24,19 @@ def test_deep_stages_that_overflow_shared_memory_are_left_out():
     assert stages == {1}  # (stages - 1) x 9 rows x 8 KB is over 64 KB from 2 stages on
 
 
+def test_grouped_candidates_take_the_smallest_tile_that_holds_a_share():
+    grid = parse_grid("block_n=32,64,128;block_k=64;stages=4;split=1;groups=0,132")
+    found = candidates(8, 19456, 2560, silu_mul=True, grid=grid)
+    grouped = {(c.block_n, c.num_warps, c.paired) for c in found if c.groups}
+    # 9,728 features over 132 programs: 73-74 each, in a 128-feature tile (4 or 8 warps).
+    assert grouped == {(128, w, p) for w in (4, 8) for p in (False, True)}
+    # Whole tiles of 128: 76 programs, too few to sweep.
+    assert {c.block_n for c in found if not c.groups} == {32, 64}
+    assert all(c.groups in (0, 132) for c in found)
+    # Without a shape, no share to size a tile by: only whole tiles.
+    assert not any(c.groups for c in candidates(8, grid=grid))
+
+
 def test_grid_names_are_checked():
     with pytest.raises(ValueError, match="gemv_stages"):
         parse_grid("stage=3")
@@ -64,12 +77,15 @@ def test_the_shipped_table_says_why_each_hand_set_entry_differs():
         (16, 2560, 4096),
         (16, 6144, 2560),
         (32, 6144, 2560),
+        (16, 19456, 2560),
+        (32, 19456, 2560),
     }
     table = parse_table(payload)
     for entry in hand_set:
         assert len(entry["note"]) > 40
         config = table[(entry["block_m"], entry["n"], entry["k"], entry["silu_mul"])]
         assert config is not None and config.num_stages == entry["num_stages"]
+        assert config.groups == entry.get("groups", 0)
 
 
 def test_emitting_a_table_over_one_with_hand_set_entries(tmp_path, capsys):

@@ -13,6 +13,9 @@ beside the copy bandwidth measured in the same run. One row sweeps the GEMV's ti
 rows the skinny GEMM's (kernels/skinny_gemm.py). Candidates are compiled first in ``--jobs``
 processes so the timing process finds them in Triton's cache.
 
+``--grid 'groups=0,132'`` also times each shape with its features divided evenly over 132
+programs a split (the H200's SMs), in the smallest tile that holds a program's share.
+
 ``--emit-table PATH`` writes the skinny GEMM's table (kernels/linear_configs.py) from the
 sweep: per padded row count and projection the best tile, or cuBLAS where no tile beats it
 by ``--min-gain``. Entries of the file already there that carry a ``note`` (set by hand from
@@ -62,6 +65,9 @@ DEFAULT_GRID: dict[str, tuple[int, ...]] = {
     "split": (1, 2, 3, 4, 6, 8, 16),
     # Warps a skinny program; 0: 4, and 8 as well for 128-feature tiles.
     "warps": (0,),
+    # Programs a split with the features divided evenly (kernels/skinny_gemm.py), each in the
+    # smallest ``block_n`` that holds its share; 0: whole tiles of ``block_n``.
+    "groups": (0,),
     # The one-row GEMV's tiles; ``gemv_stages`` is its K loop's pipeline depth (1: none).
     "gemv_block_n": (1, 2, 4, 8, 16),
     "gemv_block_k": (128, 256, 512, 1024, 2048, 4096),
@@ -98,7 +104,7 @@ def candidates(
 ) -> list[Any]:
     """Tiles to time: the GEMV's at one row, the skinny GEMM's from two (for an ``N x K``
     weight, those that fit shared memory and give a sensible number of programs)."""
-    from kernels.backend import cdiv
+    from kernels.backend import cdiv, next_power_of_2
     from kernels.gemv import MAX_FEATURE_TILES
     from kernels.linear import LinearConfig
     from kernels.skinny_gemm import block_rows
@@ -117,20 +123,25 @@ def candidates(
         return found
     block_m = block_rows(rows)
     parts = 2 if silu_mul else 1
-    for block_n, block_k, stages, split_k in itertools.product(
-        grid["block_n"], grid["block_k"], grid["stages"], grid["split"]
+    for block_n, block_k, stages, split_k, groups in itertools.product(
+        grid["block_n"], grid["block_k"], grid["stages"], grid["split"], grid["groups"]
     ):
         if (parts * block_n + block_m) * block_k * 2 * stages > _MAX_STAGE_BYTES:
             continue
         if n and k:
-            programs = cdiv(n // parts, block_n) * split_k
+            features = n // parts
+            if groups and (groups > features or next_power_of_2(cdiv(features, groups)) != block_n):
+                continue
+            programs = (groups or cdiv(features, block_n)) * split_k
             if not 100 <= programs <= 8192 or cdiv(k, block_k) < 2 * split_k:
                 continue
+        elif groups:
+            continue
         for warps in _skinny_warps(grid["warps"], block_n):
             for paired in (False, True) if silu_mul else (False,):
                 found.append(
                     LinearConfig(
-                        "skinny", block_n, block_k, warps, block_m, split_k, stages, paired
+                        "skinny", block_n, block_k, warps, block_m, split_k, stages, paired, groups
                     )
                 )
     return found
