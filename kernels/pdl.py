@@ -15,13 +15,16 @@ Rules every kernel launched with PDL keeps, so that no overlap can race:
   predecessor is still running while a program is before its wait.
 
 Which kernels let their successor launch early is ``launches_successor_early``. By default
-all do but the projections of several rows that end in the residual add (the skinny GEMM,
-kernels/skinny_gemm.py, and the GEMV of two rows, kernels/gemv.py), which let it launch
-only as they end: launched early, the projection after them made decode steps 3-14% slower
-at 8 and 32 rows and 8% slower at 2 (3.38 against 2.98 ms a step late, H200, Qwen3-4B, in
-process, alternated), most likely because its programs were placed beside the running ones
-(tools/README.md). ``PEGAINFER_LATE_LAUNCH`` names the kernels that launch
-their successor late instead, to try another choice in whole steps.
+all do but the GEMV of two rows that ends in the residual add (kernels/gemv.py), which lets
+it launch only as it ends: launched early, the projection after it made steps of two
+sequences 8% slower (3.38 against 2.98 ms, H200, Qwen3-4B, in process, alternated), its
+programs placed beside the running ones. The skinny GEMM that ends in the add (o and down at
+4-32 rows, kernels/skinny_gemm.py) launched its successor late too while the gate/up
+projection's programs were small enough to sit two a SM beside it (3-14% slower early). Since
+gate/up runs one 137 KB program a SM (132 groups), early launch gains: batch 4 / 8 / 16 / 32
+2.99 / 3.08 / 3.36 / 4.06 -> 2.95 / 3.03 / 3.33 / 4.03 ms a step (tools/README.md, 12-04).
+``PEGAINFER_LATE_LAUNCH`` names the kernels that launch their successor late instead, to try
+another choice in whole steps.
 
 What is read before the wait:
 - decode attention reads its sequence's context length and block table; rotary its token's
@@ -93,7 +96,7 @@ LAUNCHING_KERNELS = (
     "skinny",
     "skinny_add",
 )
-DEFAULT_LATE_LAUNCH = frozenset({"skinny_add", "rows_gemv_add"})
+DEFAULT_LATE_LAUNCH = frozenset({"rows_gemv_add"})
 
 
 @functools.cache

@@ -30,8 +30,8 @@ its larger stages leave fewer programs resident.
 H200 table's gate/up; its notes say what it gained and where groups lost).
 
 A projection can also end in the residual add of a pending RMSNorm, or apply one on its
-way in (``ADD_NORM`` and ``NORMED``, kernels/pending_norm.py). One that ends in the add
-lets the next kernel launch (PDL) only as it ends (``pdl.launches_successor_early``).
+way in (``ADD_NORM`` and ``NORMED``, kernels/pending_norm.py). When it lets the next kernel
+launch (PDL) is ``pdl.launches_successor_early``'s choice.
 
 ``linear_ref`` and ``linear_silu_and_mul_ref`` are the references. Which tile and split a
 shape takes comes from ``kernels/linear_configs.py``. On an H200 (Qwen3-4B, CUDA graphs,
