@@ -89,11 +89,30 @@ def time_op(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 2) -
     return times
 
 
+# A GPU fresh from idle runs its first large copies slower: on one H200 a served sweep
+# measured 4.00 TB/s as its first GPU work (two copies of warm-up, the median of nine) and a
+# latency run on the same machine 4.12 TB/s a minute later, so the same steps came to 1.29 and
+# 1.33 times their rooflines. The copy measurement now runs copies this long first.
+WARMUP_SECONDS = 0.5
+
+
+def warm_up(fn: Callable[[], Any], device: Any, seconds: float) -> None:
+    """Call ``fn`` until ``seconds`` have passed (on a GPU; the host needs no warming)."""
+    if device.type != "cuda":
+        return
+    began = time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        for _ in range(4):
+            fn()
+        synchronize(device)
+
+
 def measure_copy_bandwidth(device: Any, nbytes: int | None = None, repeats: int = 9) -> float:
     """Bytes per second of a large device-to-device copy, counting bytes read plus written.
 
     The buffer is far larger than any cache (1 GiB on a GPU, 128 MiB on the host), so this
-    is the memory bandwidth a weight-streaming decode step can hope for. Median of repeats.
+    is the memory bandwidth a weight-streaming decode step can hope for. The fastest of
+    ``repeats`` after ``WARMUP_SECONDS`` of copies: a roofline is what the machine can do.
     """
     import torch
 
@@ -101,19 +120,23 @@ def measure_copy_bandwidth(device: Any, nbytes: int | None = None, repeats: int 
         nbytes = (1 << 30) if device.type == "cuda" else (128 << 20)
     src = torch.ones(nbytes // 2, dtype=torch.float16, device=device)
     dst = torch.empty_like(src)
-    seconds = statistics.median(time_op(lambda: dst.copy_(src), device, repeats))
+    warm_up(lambda: dst.copy_(src), device, WARMUP_SECONDS)
+    seconds = min(time_op(lambda: dst.copy_(src), device, repeats))
     return 2 * nbytes / seconds
 
 
 def measure_matmul_rate(device: Any, dtype: Any, n: int | None = None, repeats: int = 9) -> float:
-    """FLOP/s of a large square matmul in ``dtype`` (2 n^3 FLOPs each), median of repeats."""
+    """FLOP/s of a large square matmul in ``dtype`` (2 n^3 FLOPs each), the fastest of
+    ``repeats`` after two. Not warmed up longer: after half a second of matmuls an H200 ran
+    them at 653-665 TFLOP/s, against 733-787 measured fresh on other machines (most likely
+    its power limit lowering the clocks; not traced)."""
     import torch
 
     if n is None:
         n = 8192 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    seconds = statistics.median(time_op(lambda: a @ b, device, repeats))
+    seconds = min(time_op(lambda: a @ b, device, repeats))
     return 2 * n**3 / seconds
 
 
