@@ -21,7 +21,10 @@ so a grid sized for long contexts costs short ones little.
 
 The step's rotary, q/k norm and KV write stay a kernel of their own (kernels/rotary.py):
 done inside this kernel, by every split program before its first K/V load, they made
-batch-1 decode slower on an H200 (2.57 against 2.55 ms a step at context 128).
+batch-1 decode slower on an H200 (2.57 against 2.55 ms a step at context 128). Programs
+taking 1 or 2 of a group's 4 query heads (more programs, fewer splits, each reading the
+group's K/V) were slower at every batch: 3.20 / 3.51 against 3.04 ms a step at 8 sequences,
+4.40 / 5.83 against 4.03 at 32 (Qwen3-4B, in process).
 """
 
 from __future__ import annotations
