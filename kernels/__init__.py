@@ -10,13 +10,14 @@ from kernels.linear_fused import linear_silu_and_mul
 from kernels.linear_norm import linear_add_rms_norm
 from kernels.pending_norm import PendingNorm, as_tensor
 from kernels.prefill_work import prefill_queries_per_tile, prefill_work_table
-from kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from kernels.rmsnorm import embed_rms_norm, fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_and_store_kv, rotary_embedding
 
 __all__ = [
     "PendingNorm",
     "argmax_rows",
     "as_tensor",
+    "embed_rms_norm",
     "embedding",
     "fused_add_rms_norm",
     "linear",

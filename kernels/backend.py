@@ -126,6 +126,23 @@ def dot_needs_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
+def output_rows(
+    out: torch.Tensor | None, num_rows: int, n: int, like: torch.Tensor
+) -> torch.Tensor:
+    """``out`` checked to be a ``[num_rows, n]`` tensor of ``like``'s dtype and device with
+    a unit last stride (rows may be spaced wider), or a fresh one."""
+    if out is None:
+        return torch.empty((num_rows, n), dtype=like.dtype, device=like.device)
+    if out.shape != (num_rows, n) or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(
+            f"out is {tuple(out.shape)} {out.dtype} on {out.device}, want "
+            f"({num_rows}, {n}) {like.dtype} on {like.device}"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError("out needs a unit last stride")
+    return out
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

@@ -18,7 +18,7 @@ import torch
 
 from kernels import pdl, pending_norm, rows_tile
 from kernels.attention_merge import split_counters
-from kernels.backend import cdiv, triton_jit, use_pdl, weight_eviction
+from kernels.backend import cdiv, output_rows, triton_jit, use_pdl, weight_eviction
 from kernels.pending_norm import PendingNorm
 
 if TYPE_CHECKING:
@@ -196,16 +196,20 @@ def gemv(
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     prefetch_tiles: int = 0,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the GEMV, reading ``prefetch_tiles`` weight tiles before the PDL wait. A
     ``normed`` ``x`` is normed on the way in; with ``residual`` and ``norm_weight`` the results
     are ``round(x @ weight.T) + residual``, its rows' sums of squares (one slot per
-    ``GROUP_TILES`` feature tiles) and that sum times ``norm_weight``."""
+    ``GROUP_TILES`` feature tiles) and that sum times ``norm_weight``. A plain projection
+    writes into ``out`` when given."""
     num_rows, k = x.shape
     n = weight.shape[0]
     if config.block_m > 1 and config.block_k % 8:
         raise ValueError(f"a GEMV of {config.block_m} rows needs a K tile of a multiple of 8")
-    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    if out is not None and residual is not None:
+        raise ValueError("the residual add writes outputs of its own")
+    out = output_rows(out, num_rows, n, x)
     if num_rows == 0:
         return out, None, None
     grid = (cdiv(num_rows, config.block_m), cdiv(n, config.block_n))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import load_triton, use_triton
+from kernels.backend import load_triton, output_rows, use_triton
 from kernels.gemv import gemv
 from kernels.pending_norm import PendingNorm, as_tensor
 from kernels.skinny_gemm import MAX_ROWS, skinny_gemm_add_residual, skinny_gemm_with
@@ -58,9 +58,16 @@ class LinearConfig:
 
 
 def linear_ref(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+    result = F.linear(x, weight, bias)
+    if out is None:
+        return result
+    # A copy, not matmul's ``out=``: the product stays the very call F.linear makes.
+    return output_rows(out, x.shape[0], weight.shape[0], x).copy_(result)
 
 
 def _checked(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -76,15 +83,19 @@ def linear_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: LinearConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N]`` in ``x``'s dtype; a
-    ``PendingNorm`` ``x`` [M, K] is normed on the way in."""
+    """``x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N]`` in ``x``'s dtype, written into
+    ``out`` when given (2D ``x`` only); a ``PendingNorm`` ``x`` [M, K] is normed on the way
+    in."""
     from kernels.linear_configs import pick_config
 
     normed = x if isinstance(x, PendingNorm) else None
     if normed is not None:
         x = normed.weighted
     elif x.dim() != 2:
+        if out is not None:
+            raise ValueError("out takes a 2D x")
         lead = x.shape[:-1]
         return linear_triton(x.reshape(-1, x.shape[-1]), weight, bias, config).view(*lead, -1)
     x = _checked(x, weight)
@@ -93,8 +104,8 @@ def linear_triton(
         raise ValueError(f"no Triton linear kernel for {x.shape[0]} rows of {tuple(weight.shape)}")
     load_triton()
     if config.kind == "gemv":
-        return gemv(x, weight, bias, config, normed)[0]
-    return skinny_gemm_with(x, weight, bias, config, normed=normed)
+        return gemv(x, weight, bias, config, normed, out=out)[0]
+    return skinny_gemm_with(x, weight, bias, config, normed=normed, out=out)
 
 
 def linear_add_residual_triton(
@@ -144,10 +155,13 @@ def triton_handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(
-    x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor | PendingNorm,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``; a ``PendingNorm`` is applied inside the Triton kernels and
-    materialized first for cuBLAS."""
+    """``x @ weight.T (+ bias)``, written into ``out [M, N]`` when given (2D ``x``); a
+    ``PendingNorm`` is applied inside the Triton kernels and materialized first for cuBLAS."""
     if triton_handles(x.hidden if isinstance(x, PendingNorm) else x, weight):
-        return linear_triton(x, weight, bias)
-    return linear_ref(as_tensor(x), weight, bias)
+        return linear_triton(x, weight, bias, out=out)
+    return linear_ref(as_tensor(x), weight, bias, out)

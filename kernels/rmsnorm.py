@@ -1,7 +1,10 @@
-"""RMSNorm, plain and fused with the residual add that precedes it in every decoder layer.
+"""RMSNorm, plain, fused with the residual add that precedes it in every decoder layer, and
+fused with the token embedding lookup that precedes the first layer's.
 
-Both compute in float32 and cast the result back to the input's dtype, so bfloat16 models
-lose no precision in the reduction.
+All compute in float32 and cast the result back to the input's dtype, so bfloat16 models
+lose no precision in the reduction. ``embed_rms_norm`` gathers each token's row of the
+embedding table in the norm kernel itself: the rows and their norm are the same bits as
+the lookup followed by ``rms_norm`` (the same kernel body), one launch fewer a step.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import torch
 
 from kernels import pdl
 from kernels.backend import load_triton, next_power_of_2, triton_jit, use_pdl, use_triton
+from kernels.embedding import embedding_ref
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -19,6 +23,15 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     x32 = x.float()
     inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (x32 * inv_rms * weight.float()).to(x.dtype)
+
+
+def embed_rms_norm_ref(
+    ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(rows), rows)`` for ``rows = table[ids]``; an id outside the table gives a
+    row of zeros (as kernels/embedding.py)."""
+    rows = embedding_ref(ids, table)
+    return rms_norm_ref(rows, weight, eps), rows
 
 
 def fused_add_rms_norm_ref(
@@ -39,6 +52,7 @@ def fused_add_rms_norm_ref(
 @triton_jit(do_not_specialize=("num_rows",))
 def _rms_norm_kernel(
     x_ptr,
+    ids_ptr,
     residual_ptr,
     residual_out_ptr,
     out_ptr,
@@ -51,7 +65,9 @@ def _rms_norm_kernel(
     stride_r_inner,
     hidden,
     eps,
+    num_table_rows,
     HAS_RESIDUAL: tl.constexpr,
+    GATHER: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -66,9 +82,18 @@ def _rms_norm_kernel(
     mask = (rows < num_rows)[:, None] & col_mask[None, :]
     outer = (rows // inner).to(tl.int64)
     inner_idx = (rows % inner).to(tl.int64)
+    load_mask = mask
+    if GATHER:
+        # x is the embedding table and row r is token ids[r]'s; an id outside it reads zeros.
+        outer = tl.load(ids_ptr + rows, mask=rows < num_rows, other=0).to(tl.int64)
+        in_table = (outer >= 0) & (outer < num_table_rows)
+        outer = tl.where(in_table, outer, 0)
+        load_mask = mask & in_table[:, None]
     x_offsets = (outer * stride_x_outer + inner_idx * stride_x_inner)[:, None] + cols[None, :]
-    x = tl.load(x_ptr + x_offsets, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + x_offsets, mask=load_mask, other=0.0).to(tl.float32)
     out_offsets = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
+    if GATHER:
+        tl.store(residual_out_ptr + out_offsets, x.to(residual_out_ptr.dtype.element_ty), mask=mask)
     if HAS_RESIDUAL:
         r_offsets = (outer * stride_r_outer + inner_idx * stride_r_inner)[:, None] + cols[None, :]
         residual = tl.load(residual_ptr + r_offsets, mask=mask, other=0.0).to(tl.float32)
@@ -105,17 +130,27 @@ def _launch(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
+    ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The norm of ``x``'s rows (with ``residual`` added first), or with ``ids`` of the rows
+    of the table ``x`` they name; returns ``(out, the rows normed)`` for either."""
     load_triton()
     hidden = x.shape[-1]
-    x3, inner, sx_outer, sx_inner = _as_rows(x)
-    num_rows = x3.shape[0] * inner
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if ids is None:
+        x3, inner, sx_outer, sx_inner = _as_rows(x)
+        num_rows, shape = x3.shape[0] * inner, x.shape
+    else:
+        if x.dim() != 2 or x.stride(-1) != 1:
+            raise ValueError("the embedding table needs to be [rows, hidden], unit last stride")
+        x3, inner, sx_outer, sx_inner = x, 1, x.stride(0), 0
+        num_rows, shape = ids.numel(), (*ids.shape, hidden)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
     residual_out = None
     r3, sr_outer, sr_inner = x3, sx_outer, sx_inner
     if residual is not None:
         r3, _, sr_outer, sr_inner = _as_rows(residual)
-        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is not None or ids is not None:
+        residual_out = torch.empty(shape, dtype=x.dtype, device=x.device)
     block = next_power_of_2(hidden)
     # Small rows (per-head q/k norms, head_dim 128) are packed several to a program so
     # each program still moves a few KB.
@@ -125,6 +160,7 @@ def _launch(
     with_pdl = use_pdl(x)
     _rms_norm_kernel[grid](
         x3,
+        ids.reshape(-1) if ids is not None else x3,
         r3,
         residual_out if residual_out is not None else out,
         out,
@@ -137,7 +173,9 @@ def _launch(
         sr_inner,
         hidden,
         eps,
+        x.shape[0],
         HAS_RESIDUAL=residual is not None,
+        GATHER=ids is not None,
         ROWS=rows_per_program,
         BLOCK=block,
         USE_PDL=with_pdl,
@@ -165,6 +203,27 @@ def fused_add_rms_norm_triton(
     out, residual_out = _launch(x, residual, weight, eps)
     assert residual_out is not None
     return out, residual_out
+
+
+def embed_rms_norm_triton(
+    ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if ids.numel() == 0:
+        empty = torch.empty((*ids.shape, table.shape[1]), dtype=table.dtype, device=table.device)
+        return empty, empty.clone()
+    out, rows = _launch(table, None, weight, eps, ids=ids)
+    assert rows is not None
+    return out, rows
+
+
+def embed_rms_norm(
+    ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(table[ids]), table[ids])``: the embedding lookup and the norm after it in
+    one launch (see the module docstring)."""
+    if use_triton(table):
+        return embed_rms_norm_triton(ids, table, weight, eps)
+    return embed_rms_norm_ref(ids, table, weight, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

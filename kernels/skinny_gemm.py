@@ -52,6 +52,7 @@ from kernels.backend import (
     cdiv,
     dot_needs_fp32,
     load_triton,
+    output_rows,
     triton_jit,
     use_pdl,
     weight_eviction,
@@ -255,6 +256,7 @@ def skinny_gemm(
     paired: bool = False,
     prefetch_tiles: int = 0,
     groups: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [M, K] @ weight [N, K].T (+ bias) -> [M, N]`` for ``1 <= M <= 64``; with
     ``silu_mul``, ``weight`` is ``[gate | up]`` (``2 * n`` rows, no bias) and the result
@@ -267,7 +269,8 @@ def skinny_gemm(
     ``prefetch_tiles`` weight tiles of its split before the PDL wait.
 
     ``groups`` > 0 divides the N features evenly over that many programs a split, each at
-    most ``block_n``, instead of tiles of ``block_n``."""
+    most ``block_n``, instead of tiles of ``block_n``. A projection with no residual add
+    writes into ``out`` when given."""
     num_rows, k = x.shape
     if not 0 < num_rows <= MAX_ROWS:
         raise ValueError(f"the skinny GEMM takes 1-{MAX_ROWS} rows, got {num_rows}")
@@ -280,11 +283,11 @@ def skinny_gemm(
         n //= 2
         if bias is not None:
             raise ValueError("silu_mul takes no bias")
-    if residual is not None and (silu_mul or bias is not None):
-        raise ValueError("the residual add takes a plain projection with no bias")
+    if residual is not None and (silu_mul or bias is not None or out is not None):
+        raise ValueError("the residual add takes a plain projection with no bias or out")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    out = output_rows(out, num_rows, n, x)
     load_triton()
     block_m = block_rows(num_rows)
     split_k = max(1, min(split_k, cdiv(k, block_k)))
@@ -378,13 +381,15 @@ def skinny_gemm_with(
     config: LinearConfig,
     silu_mul: bool = False,
     normed: PendingNorm | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``skinny_gemm`` with the tile of a ``LinearConfig``."""
-    out = skinny_gemm(
-        x, weight, bias, silu_mul=silu_mul, normed=normed, paired=config.paired, **_tile(config)
-    )
-    assert isinstance(out, torch.Tensor)
-    return out
+    result = skinny_gemm(
+        x, weight, bias, silu_mul=silu_mul, normed=normed, paired=config.paired, out=out,
+        **_tile(config),
+    )  # fmt: skip
+    assert isinstance(result, torch.Tensor)
+    return result
 
 
 def skinny_gemm_add_residual(

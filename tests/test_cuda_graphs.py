@@ -60,15 +60,20 @@ def test_capture_sizes():
     assert pick_size(257, sizes) is None
 
 
-def test_decode_graphs_take_the_argmax_of_their_logits():
-    """Each replay leaves its rows' argmax beside the logits, for the sampler's greedy rows."""
+@pytest.mark.parametrize("writes_out", [False, True], ids=["copied", "written"])
+def test_decode_graphs_take_the_argmax_of_their_logits(writes_out):
+    """Each replay leaves its rows' argmax beside the logits, for the sampler's greedy rows,
+    whether the forward wrote the shared logits buffer itself or returned logits of its own."""
     from worker_proc.cuda_graphs import DecodeGraphs
 
     graphs = DecodeGraphs([1, 4], 4, 64, 50, torch.float32, torch.device("cpu"))
     table = torch.randn(500, 50)
 
-    def forward_logits(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return table[input_ids + positions]
+    def forward_logits(
+        input_ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        logits = table[input_ids + positions]
+        return out.copy_(logits) if writes_out else logits
 
     graphs.capture(forward_logits, EagerGraphBackend())
     for size, ids in ((4, [3, 99, 7, 250]), (1, [41])):

@@ -65,3 +65,44 @@ def test_pageable_memory_unaligned_views_and_the_setting_take_the_dma_copy(monke
         assert torch.equal(device.cpu(), pinned)
     finally:
         host_copy._enabled.cache_clear()
+
+
+def _tokens_out_case(num_tokens: int, device: str):
+    g = torch.Generator().manual_seed(num_tokens)
+    tokens = torch.randint(0, 151_936, (num_tokens,), dtype=torch.int64, generator=g)
+    slots = torch.randperm(3 * num_tokens + 1, generator=g)[:num_tokens]
+    last_token = torch.full((3 * num_tokens + 1,), -5, dtype=torch.int64)
+    expected = last_token.clone()
+    expected[slots] = tokens
+    return tokens.to(device), slots.to(device), last_token.to(device), expected
+
+
+def test_tokens_out_on_the_cpu_scatters_and_copies():
+    tokens, slots, last_token, expected = _tokens_out_case(9, "cpu")
+    host = torch.zeros(9, dtype=torch.int64)
+    host_copy.tokens_out(host, tokens, last_token, slots)
+    assert torch.equal(host, tokens) and torch.equal(last_token, expected)
+    with pytest.raises(ValueError, match="one vector's length"):
+        host_copy.tokens_out(host, tokens, last_token, slots[:4])
+
+
+@gpu_only
+@pytest.mark.parametrize("num_tokens", [1, 8, 1023, 1025])
+@pytest.mark.parametrize("zero_copy", ["1", "0"])
+def test_tokens_out_reach_the_host_and_the_slots(num_tokens, zero_copy, monkeypatch):
+    """A step's tokens in one launch: to pinned host memory behind an event, and into the
+    slots' last tokens, whichever slots and however many; the DMA fallback does the same."""
+    host_copy._enabled.cache_clear()
+    monkeypatch.setenv("PEGAINFER_ZERO_COPY", zero_copy)
+    try:
+        tokens, slots, last_token, expected = _tokens_out_case(num_tokens, "cuda")
+        host = torch.zeros(num_tokens, dtype=torch.int64, pin_memory=True)
+        assert host_copy.kernel_copies(host, tokens) == (zero_copy == "1")
+        host_copy.tokens_out(host, tokens, last_token, slots)
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
+        assert torch.equal(host, tokens.cpu())
+        assert torch.equal(last_token.cpu(), expected)
+    finally:
+        host_copy._enabled.cache_clear()

@@ -79,6 +79,30 @@ def test_linear_keeps_leading_dims_and_strided_rows(dtype):
     check(out.view(6, 40), linear_ref(x.float(), weight.float()).to(dtype), "leading dims")
 
 
+@pytest.mark.parametrize(
+    "config", [GEMV[0], GEMV[3], SKINNY[1], None], ids=["gemv", "rows-gemv", "skinny", "ref"]
+)
+def test_linear_writes_into_a_given_output(config):
+    """``out`` (a slice of a wider buffer, as a decode graph's shared logits) receives the
+    same bits the kernel returns without it; a mismatched ``out`` is refused."""
+    dtype = torch.bfloat16
+    rows = 2 if config is not None and config.block_m == 2 else 3
+    x, weight, _ = _inputs(rows, 37, 200, dtype, 77, False)
+    buffer = torch.full((8, 37), float("nan"), dtype=dtype, device=DEVICE)
+    if config is None:
+        expected, written = linear_ref(x, weight), linear_ref(x, weight, out=buffer[:rows])
+    else:
+        expected = linear_triton(x, weight, None, config)
+        written = linear_triton(x, weight, None, config, out=buffer[:rows])
+    assert written.data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:rows], expected)
+    assert torch.isnan(buffer[rows:].float()).all()
+    with pytest.raises(ValueError, match="out is"):
+        linear(x, weight, out=buffer[: rows + 1])
+    with pytest.raises(ValueError, match="out is"):
+        linear(x, weight, out=buffer[:rows].float())
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 24, 32, 33, MAX_TRITON_ROWS])
 def test_default_config_matches_reference(rows):
     dtype = torch.bfloat16

@@ -137,8 +137,9 @@ class DecodeGraphs:
         self.query_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
-        # Every graph copies its logits here, so one logits buffer stays allocated instead of
-        # one per size in the pool (at a 150k vocabulary those add up to most of a GiB).
+        # Every graph writes its logits here (the LM head's own output on one rank, a copy
+        # on several), so one logits buffer stays allocated instead of one per size in the
+        # pool (at a 150k vocabulary those add up to most of a GiB).
         self.logits = torch.empty((n, vocab_size), dtype=logits_dtype, device=device)
         # Each row's argmax, taken inside the graph right after the LM head: a greedy batch
         # then launches no sampling kernel of its own (worker_proc/model_runner.py).
@@ -160,11 +161,12 @@ class DecodeGraphs:
 
     def capture(
         self,
-        forward_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        forward_logits: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
         backend: GraphBackend,
     ) -> float:
-        """Capture ``forward_logits(input_ids, positions) -> logits`` at every size, largest
-        first; returns the seconds it took."""
+        """Capture ``forward_logits(input_ids, positions, out) -> logits`` at every size,
+        largest first (logits written into ``out`` where the LM head can, else copied
+        there); returns the seconds it took."""
         started = time.monotonic()
         # Padding values everywhere, so the warm-up and capture runs write no KV.
         self.input_ids.zero_()
@@ -186,9 +188,10 @@ class DecodeGraphs:
                 greedy=greedy,
             ) -> torch.Tensor:
                 with set_forward_context(context):
-                    computed = forward_logits(input_ids, positions)
-                    kernels.argmax_rows(computed, out=greedy)
-                    logits.copy_(computed)
+                    computed = forward_logits(input_ids, positions, logits)
+                    if computed is not logits:
+                        logits.copy_(computed)
+                    kernels.argmax_rows(logits, out=greedy)
                 return logits
 
             self._replays[size] = backend.capture(run)

@@ -22,7 +22,7 @@ from torch import nn
 
 import kernels
 from kernels.compile_ahead import CompileAheadReport, compile_for, fingerprint
-from kernels.host_copy import copy_pinned
+from kernels.host_copy import copy_pinned, tokens_out
 from pegainfer.config import EngineConfig
 from pegainfer.startup_timeline import StartupTimeline
 from worker_proc.cuda_graphs import DecodeGraphs, GraphBackend, Replay, capture_sizes
@@ -80,8 +80,10 @@ def capture_graphs(
         device,
     )
 
-    def forward_logits(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return model.compute_logits(model(input_ids, positions))
+    def forward_logits(
+        input_ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        return model.compute_logits(model(input_ids, positions), out)
 
     records = getattr(backend, "records", True)
     try:
@@ -161,6 +163,9 @@ def compile_graph_kernels(
         kernels.argmax_rows(torch.empty((1, vocab_size), dtype=torch.float32, device=device))
         words = torch.empty(64, dtype=torch.int32, device=device)
         copy_pinned(words, torch.empty(64, dtype=torch.int32, pin_memory=True))
+        tokens = torch.zeros(2, dtype=torch.int64, device=device)
+        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        tokens_out(host, tokens, torch.zeros(2, dtype=torch.int64, device=device), tokens)
 
     def dry_run() -> None:
         # First: the pass ends when the last variant found has compiled, so each is best

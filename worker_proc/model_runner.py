@@ -312,10 +312,11 @@ class ModelRunner:
         tokens = broadcast_from_rank0(tokens)
         if self.rank == 0:
             self.logprobs.sampled_step(step_id, logits, tokens, samplers)
-        last_token.index_copy_(0, sample_slot, tokens)
         for seq in samplers:
             seq.num_tokens += 1
-        self.results.push(step_id, samplers, tokens)
+        # The tokens go to the host and into the slots' last tokens, which the next step's
+        # inputs read, in one launch.
+        self.results.push(step_id, samplers, tokens, last_token, sample_slot)
 
     def _sampling_batch(self, samplers: list[SequenceState]) -> SamplingBatch:
         key = tuple(s.serial for s in samplers)

@@ -102,11 +102,12 @@ class PrefillGraphs:
     def capture(
         self,
         forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        compute_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         backend: GraphBackend,
     ) -> float:
-        """Capture ``compute_logits(forward(ids, positions)[sample_index])`` at every token
-        count, largest first; returns the seconds it took."""
+        """Capture ``compute_logits(forward(ids, positions)[sample_index], out)`` at every
+        token count, largest first, ``out`` the shared logits buffer; returns the seconds it
+        took."""
         started = time.monotonic()
         self._reset_padding(0, 0)
         for tokens in sorted(self.token_sizes, reverse=True):
@@ -118,7 +119,10 @@ class PrefillGraphs:
                     hidden = forward(input_ids, positions)
                 seqs = context.num_seqs
                 rows = hidden.index_select(0, self.sample_index[:seqs])
-                self.logits[:seqs].copy_(compute_logits(rows))
+                out = self.logits[:seqs]
+                computed = compute_logits(rows, out)
+                if computed is not out:
+                    out.copy_(computed)
                 return self.logits
 
             self._replays[tokens] = backend.capture(run)

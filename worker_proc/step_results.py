@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.host_copy import copy_pinned
+from kernels.host_copy import copy_pinned, tokens_out
 from pegainfer.protocol import StepResult, pack_ids
 from worker_proc.batch import SequenceState
 
@@ -38,9 +38,17 @@ class ResultQueue:
     def oldest_step_id(self) -> int | None:
         return self._pending[0].step_id if self._pending else None
 
-    def push(self, step_id: int, seqs: list[SequenceState], tokens: torch.Tensor | None) -> None:
+    def push(
+        self,
+        step_id: int,
+        seqs: list[SequenceState],
+        tokens: torch.Tensor | None,
+        last_token: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> None:
         """Queue step ``step_id``'s result: ``tokens [len(seqs)]`` (device) sampled for
-        ``seqs``; None when the step sampled nothing."""
+        ``seqs``; None when the step sampled nothing. With ``last_token`` and ``slots`` the
+        tokens are also written to ``last_token[slots]``, in the launch that copies them out."""
         if tokens is None or not seqs:
             self._pending.append(_Pending(step_id, [], None, None))
             return
@@ -48,12 +56,19 @@ class ResultQueue:
             # Copied as they are (int64 from the sampler): a cast on the device would be one
             # more kernel between two steps; the host packs them as int32 anyway.
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            copy_pinned(host, tokens)  # a kernel writing the pinned memory (kernels/host_copy.py)
+            # A kernel writing the pinned memory (kernels/host_copy.py).
+            if last_token is not None and slots is not None:
+                tokens_out(host, tokens, last_token, slots)
+            else:
+                copy_pinned(host, tokens)
             event = torch.cuda.Event()
             event.record()
             self._pending.append(_Pending(step_id, seqs, host, event))
-        else:  # a copy: the tokens may be a view of a graph's buffer, which the next step reuses
-            self._pending.append(_Pending(step_id, seqs, tokens.clone(), None))
+            return
+        if last_token is not None and slots is not None:
+            last_token.index_copy_(0, slots, tokens)
+        # A copy: the tokens may be a view of a graph's buffer, which the next step reuses.
+        self._pending.append(_Pending(step_id, seqs, tokens.clone(), None))
 
     def poll(self, wait: bool = False) -> list[StepResult]:
         """The results whose tokens have reached the host, oldest first; with ``wait``, all

@@ -50,6 +50,16 @@ class VocabParallelEmbedding(nn.Module):
         _check_shape(target, loaded, type(self).__name__)
         target.copy_(loaded)
 
+    def embed_and_norm(
+        self, input_ids: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(embedding), embedding)``: on one rank in one kernel, the first layer's
+        input norm taken as the rows are looked up."""
+        if self.tp_size == 1:
+            return kernels.embed_rms_norm(input_ids, self.weight, norm_weight, eps)
+        embedded = self(input_ids)
+        return kernels.rms_norm(embedded, norm_weight, eps), embedded
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return kernels.embedding(input_ids, self.weight)
@@ -66,10 +76,17 @@ class ParallelLMHead(VocabParallelEmbedding):
             raise ValueError("tied LM head and embedding differ in shape")
         self.weight = embedding.weight
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] -> [N, vocab_size]`` in the model dtype, on every rank."""
+    def compute_logits(
+        self, hidden_states: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab_size]`` in the model dtype, on every rank; written into
+        ``out [N, vocab_size]`` when given (by the projection itself on one rank: a decode
+        graph's logits buffer then costs no copy)."""
+        if out is not None and self.tp_size == 1:
+            return kernels.linear(hidden_states, self.weight, out=out)
         logits = tensor_model_parallel_all_gather(kernels.linear(hidden_states, self.weight))
-        return logits[..., : self.num_embeddings]
+        logits = logits[..., : self.num_embeddings]
+        return logits if out is None else out.copy_(logits)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden_states)

@@ -157,8 +157,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        residual = self.embed_tokens(input_ids)
-        hidden_states: Activation = self.layers[0].input_layernorm(residual)
+        first_norm = self.layers[0].input_layernorm
+        hidden_states: Activation
+        hidden_states, residual = self.embed_tokens.embed_and_norm(
+            input_ids, first_norm.weight, first_norm.eps
+        )
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm in zip(self.layers, next_norms, strict=True):
             hidden_states, residual = layer(positions, hidden_states, residual, next_norm)
@@ -208,9 +211,11 @@ class LlamaForCausalLM(nn.Module):
         """``input_ids, positions [T] -> hidden states [T, hidden_size]``."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size] -> [N, vocab_size]`` in the model dtype."""
-        return self.lm_head.compute_logits(hidden_states)
+    def compute_logits(
+        self, hidden_states: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[N, hidden_size] -> [N, vocab_size]`` in the model dtype (into ``out``, if given)."""
+        return self.lm_head.compute_logits(hidden_states, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named checkpoint tensors, fusing q/k/v and gate/up on the way.
