@@ -24,8 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import pdl
-from kernels.backend import load_triton, triton_jit, use_pdl, use_triton
+from kernels.backend import load_triton, triton_jit, use_triton
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -89,14 +88,8 @@ def _decode_inputs_kernel(
     stride_dst_table,
     ROWS_BLOCK: tl.constexpr,
     WIDTH_BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    LAUNCH_SUCCESSOR: tl.constexpr,
 ):
     program = tl.program_id(0)
-    # Everything read here may have been written by the kernels just before (the upload, the
-    # tokens' scatter into last_token, a block table update), and every buffer written may
-    # still be read by the graph before: all after the wait.
-    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     if program == 0:
         for start in range(0, num_rows, ROWS_BLOCK):
             rows = start + tl.arange(0, ROWS_BLOCK)
@@ -135,7 +128,6 @@ def load_decode_inputs_triton(
 ) -> None:
     num_rows, width = dst_block_tables.shape
     load_triton()
-    with_pdl = use_pdl(dst_block_tables)
     _decode_inputs_kernel[(1 + num_rows,)](
         *src,
         *dst,
@@ -152,10 +144,7 @@ def load_decode_inputs_triton(
         dst_block_tables.stride(0),
         ROWS_BLOCK=ROWS_BLOCK,
         WIDTH_BLOCK=WIDTH_BLOCK,
-        USE_PDL=with_pdl,
-        LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "decode_inputs"),
         num_warps=4,
-        **pdl.launch_options(with_pdl),
     )
 
 

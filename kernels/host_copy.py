@@ -25,8 +25,7 @@ import os
 
 import torch
 
-from kernels import pdl
-from kernels.backend import cdiv, load_triton, triton_jit, use_pdl, use_triton
+from kernels.backend import cdiv, load_triton, triton_jit, use_triton
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -39,45 +38,20 @@ def copy_ref(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 @triton_jit(do_not_specialize=("num_words",))
-def _copy_kernel(
-    src_ptr,
-    dst_ptr,
-    num_words,
-    BLOCK: tl.constexpr,
-    FROM_HOST: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    LAUNCH_SUCCESSOR: tl.constexpr,
-):
+def _copy_kernel(src_ptr, dst_ptr, num_words, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < num_words
-    if FROM_HOST:
-        # The host wrote its pinned buffer before the launch (kernels/pdl.py's rule): the
-        # round trip over the bus overlaps the kernel before.
-        words = tl.load(src_ptr + offsets, mask=mask)
-        pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
-    else:
-        pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
-        words = tl.load(src_ptr + offsets, mask=mask)
-    tl.store(dst_ptr + offsets, words, mask=mask)
+    tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=mask), mask=mask)
 
 
 @triton_jit(do_not_specialize=("num_tokens",))
 def _tokens_out_kernel(
-    tokens_ptr,
-    host_ptr,
-    last_token_ptr,
-    slots_ptr,
-    num_tokens,
-    BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    LAUNCH_SUCCESSOR: tl.constexpr,
+    tokens_ptr, host_ptr, last_token_ptr, slots_ptr, num_tokens, BLOCK: tl.constexpr
 ):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < num_tokens
-    # Uploaded before the step's first kernel.
-    slots = tl.load(slots_ptr + offsets, mask=mask, other=0)
-    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     tokens = tl.load(tokens_ptr + offsets, mask=mask)
+    slots = tl.load(slots_ptr + offsets, mask=mask, other=0)
     tl.store(host_ptr + offsets, tokens, mask=mask)
     tl.store(last_token_ptr + slots, tokens, mask=mask)
 
@@ -107,18 +81,8 @@ def tokens_out(
     if num_tokens == 0:
         return
     load_triton()
-    with_pdl = use_pdl(tokens)
     _tokens_out_kernel[(cdiv(num_tokens, BLOCK_WORDS),)](
-        tokens,
-        host,
-        last_token,
-        slots,
-        num_tokens,
-        BLOCK=BLOCK_WORDS,
-        USE_PDL=with_pdl,
-        LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "tokens_out"),
-        num_warps=4,
-        **pdl.launch_options(with_pdl),
+        tokens, host, last_token, slots, num_tokens, BLOCK=BLOCK_WORDS, num_warps=4
     )
 
 
@@ -157,15 +121,6 @@ def copy_pinned(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst_words, src_words = _words(dst), _words(src)
     num_words = src_words.numel()
     load_triton()
-    with_pdl = use_pdl(dst if dst.is_cuda else src)
     _copy_kernel[(cdiv(num_words, BLOCK_WORDS),)](
-        src_words,
-        dst_words,
-        num_words,
-        BLOCK=BLOCK_WORDS,
-        FROM_HOST=dst.is_cuda,
-        USE_PDL=with_pdl,
-        LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "host_copy"),
-        num_warps=4,
-        **pdl.launch_options(with_pdl),
+        src_words, dst_words, num_words, BLOCK=BLOCK_WORDS, num_warps=4
     )

@@ -83,7 +83,6 @@ tl = None  # bound to triton.language by kernels.backend.load_triton()
 LAUNCHING_KERNELS = (
     "argmax",
     "decode_attention",
-    "decode_inputs",
     "embedding",
     "rotary",
     "rmsnorm",
@@ -96,8 +95,6 @@ LAUNCHING_KERNELS = (
     "rows_gemv_silu",
     "skinny",
     "skinny_add",
-    "host_copy",
-    "tokens_out",
 )
 DEFAULT_LATE_LAUNCH = frozenset({"rows_gemv_add"})
 
