@@ -173,7 +173,9 @@ def _launch(
         sr_inner,
         hidden,
         eps,
-        x.shape[0],
+        # The table's rows; 0 otherwise, where x.shape[0] would be a step's row count,
+        # which must not make a new variant (see num_rows above).
+        x.shape[0] if ids is not None else 0,
         HAS_RESIDUAL=residual is not None,
         GATHER=ids is not None,
         ROWS=rows_per_program,

@@ -116,6 +116,47 @@ def test_row_counts_compile_no_new_variant():
         assert "num_rows" in fn.__pegainfer_do_not_specialize__
 
 
+def test_norm_launches_of_any_row_count_share_a_variant(monkeypatch):
+    """Every integer the norm kernel takes, not only ``num_rows``, specializes the same way
+    whatever a step's row count (the embedding table's rows where it gathers, 0 where it
+    does not): Triton keys a variant on an integer being 1 or a multiple of 16."""
+    import inspect
+
+    from kernels import rmsnorm
+    from kernels.backend import load_triton
+
+    load_triton()
+    kernel = rmsnorm._rms_norm_kernel
+    names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+    free = set(names) - set(getattr(kernel, "fn", kernel).__pegainfer_do_not_specialize__)
+    keys: dict[int, list] = {}
+
+    class Catch:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                bound = dict(zip(names, args), **kwargs)
+                keys[rows].append(
+                    sorted(
+                        (name, value == 1, value % 16 == 0)
+                        for name, value in bound.items()
+                        if name in free and isinstance(value, int) and not isinstance(value, bool)
+                    )
+                )
+
+            return launch
+
+    monkeypatch.setattr(rmsnorm, "_rms_norm_kernel", Catch())
+    hidden, weight = 64, torch.ones(64, dtype=torch.bfloat16)
+    table = torch.zeros(100, hidden, dtype=torch.bfloat16)
+    for rows in (17, 32):
+        keys[rows] = []
+        x = torch.zeros(rows, hidden, dtype=torch.bfloat16)
+        rmsnorm.rms_norm_triton(x, weight, 1e-6)
+        rmsnorm.fused_add_rms_norm_triton(x, x.clone(), weight, 1e-6)
+        rmsnorm.embed_rms_norm_triton(torch.zeros(rows, dtype=torch.int64), table, weight, 1e-6)
+    assert len(keys[17]) == 3 and keys[17] == keys[32]
+
+
 def test_silu_and_mul_extreme_gates_stay_finite():
     x = torch.tensor([[-1e4, -100.0, 0.0, 100.0, 2.0, 3.0, 4.0, 5.0]], device=DEVICE)
     out = silu_and_mul_triton(x)
