@@ -48,7 +48,16 @@ newest token, into registers (batch 1 unchanged, 8-64 rows 6-9% slower: the peel
 took the kernel from 110 to 215 registers a thread, 2 programs a SM instead of 4, as
 compiled offline for sm_90a by Triton 3.6); decode attention reading its first tile's
 block-table entries, so that only the K/V load follows the wait (batch 1 2.37 / 2.67 ms at
-context 128 / 4k against 2.37 / 2.65, batches 8 / 32 unchanged or slower).
+context 128 / 4k against 2.37 / 2.65, batches 8 / 32 unchanged or slower); decode attention
+sending its split's keys and values to L2 before the wait (sm_90's bulk prefetch, one token's
+key and value a thread, no registers held: the first 64 tokens or the whole split), batch 1
+2.48 against 2.36 ms at context 128 (2.70 / 2.71 against 2.62 at 4k), batch 8 3.09 / 3.15
+against 3.04, batch 32 4.08 / 4.54 against 4.05 (tools/README.md, twenty-fourth session).
+The kernels between two decode steps (the token readback, the upload, the graph's input
+loader) launched with PDL, the upload reading the host's buffer before its wait: the stretch
+from the LM head's end to the next step's first projection went from 18.3 to 13.8 us at
+batch 1, yet batch-1 steps at context 128 took 2.39-2.40 ms against 2.34 (batch 8 and 32
+unchanged); the cause was not found.
 The skinny GEMM of 2-64 rows reading one or two weight tiles before the wait was 0.1-0.5 us
 slower a projection than reading none alone (``tools/tune_linear``, nothing to overlap).
 Extra programs of decode attention's grid prefetching the o projection's weight into L2 (no
