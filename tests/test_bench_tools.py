@@ -137,6 +137,13 @@ def test_bench_serving_poisson(micro_server, micro_dir, tmp_path, capsys):
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         assert summary[key]["p50"] > 0 and summary[key]["p99"] >= summary[key]["p50"]
     assert summary["e2el_ms"]["p50"] >= summary["ttft_ms"]["p50"]
+    assert [row["metric"] for row in payload["results"]] == [
+        "ttft_ms",
+        "tpot_ms",
+        "itl_ms",
+        "e2el_ms",
+    ]
+    assert payload["results"][1] == {"metric": "tpot_ms", **summary["tpot_ms"]}
     # The roofline read the model's shape from the server's /v1/models root.
     assert payload["roofline"]["step_ms"] > 0 and payload["roofline"]["batch"] >= 1
 
@@ -248,6 +255,28 @@ def test_bench_ab_alternates_bench_latency_variants(micro_dir, tmp_path):
         assert context == 8 and ms > 0
     assert (tmp_path / "default-r1" / "latency.json").exists()
     assert "quiet / default" in stdout
+
+
+def test_bench_ab_alternates_serving_runs(micro_server, tmp_path):
+    """Serving runs compared over alternated runs, a latency a row."""
+    stdout, _ = run_tool(
+        "bench_ab",
+        "--variant", "a:",
+        "--variant", "b:PEGAINFER_PROGRESS=0",
+        "--rounds", "1",
+        "--key", "metric",
+        "--metric", "mean",
+        "--out", str(tmp_path),
+        "--",
+        sys.executable, "-m", "tools.bench_serving",
+        "--url", micro_server.base_url, "--num-prompts", "3", "--request-rate", "inf",
+        "--input-len", "8", "--output-len", "3", "--roofline-device", "none",
+    )  # fmt: skip
+    runs = outputs(tmp_path, "ab")["measured"]
+    for rounds in runs.values():
+        assert [metric for metric, _ in rounds[0]] == ["ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"]
+        assert all(value > 0 for _, value in rounds[0])
+    assert "b / a" in stdout
 
 
 def test_bench_throughput_server_with_hf_baseline(micro_dir, tmp_path):

@@ -14,6 +14,10 @@ measuring the roofline so that the server's profile run sees a free GPU) and sto
 Beside TPOT and ITL it prints the decode-step roofline at the concurrency the run reached
 (Little's law) and the mean context, measured on ``--roofline-device`` in this run, when the
 checkpoint's config.json is readable here (``--model-path``, or the server's /v1/models root).
+
+One run's TPOT moves with how the arrivals fall into steps (by up to 30% between runs of the
+same code on one H200 at 32 requests/s), so versions are compared over alternated runs: the
+JSON's ``results`` hold a row per latency for ``bench_ab --key metric --metric mean``.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ from tools.bench_model import (
     decode_roofline_s,
     load_model_shape,
 )
+
+# The latencies of a run's summary, each mean, p50, p90 and p99 in ms.
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,6 +283,9 @@ def run_benchmark(
         "url": url,
         "model": model,
         "summary": summary,
+        # One row a latency, so that ``bench_ab --key metric --metric mean`` compares versions
+        # over alternated runs: one run moves with how the arrivals fall into steps.
+        "results": [{"metric": name, **summary[name]} for name in LATENCIES],
         "roofline": roof,
         "table": text,
         "requests": [
