@@ -74,7 +74,8 @@ def tokens_out(
             f"{tuple(host.shape)} must be one vector's length"
         )
     same = tokens.dtype == host.dtype == last_token.dtype == slots.dtype == torch.int64
-    if not same or not kernel_copies(host, tokens) or not slots.is_contiguous():
+    flat = slots.is_contiguous() and last_token.is_contiguous()
+    if not same or not flat or not kernel_copies(host, tokens):
         tokens_out_ref(host, tokens, last_token, slots)
         return
     num_tokens = tokens.numel()
