@@ -319,6 +319,7 @@ def test_bench_throughput_inprocess(micro_dir, tmp_path):
         "--output-len", "5",
         "--profile-batches", "3",
         "--profile-steps", "3",
+        "--profile-prefill",
         "--out", str(tmp_path),
     )  # fmt: skip
     payload = outputs(tmp_path, "throughput")
@@ -334,6 +335,11 @@ def test_bench_throughput_inprocess(micro_dir, tmp_path):
     assert profiled[1] is None
     assert "batch 3" in profiled[3] and "3 steps" in profiled[3] and "host ops" in profiled[3]
     assert profiled[3] in stdout and profiled[3] in payload["table"]
+    # The largest batch's prefill, profiled after the decode profiles.
+    prefill = {r["batch"]: r.get("prefill_profile_table") for r in payload["results"]}
+    assert prefill[1] is None
+    assert "3 prompts of 8 tokens" in prefill[3] and "host ops" in prefill[3]
+    assert prefill[3] in stdout and prefill[3] in payload["table"]
 
 
 def test_bench_serving_stops_at_its_time_limit(micro_server, tmp_path, capsys):

@@ -253,11 +253,43 @@ def profile_full_decode(
     return prof, contexts
 
 
+def profile_prefill(
+    runner: Any, config: Any, prompts: list[list[int]], in_flight: int = 2
+) -> tuple[Any, int]:
+    """Serve ``prompts`` asking one token each, so that every step prefills, with the torch
+    profiler on from the first step to the last result. Returns the profiler and the steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tools.bench_common import synchronize
+
+    driver = StepDriver(runner, config, make_requests(prompts, 1, "prefill "), in_flight)
+    activities = [ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    steps = 0
+    synchronize(runner.device)
+    gc.disable()  # as in profile_full_decode
+    try:
+        with profile(activities=activities) as prof:
+            while driver.busy():
+                for full, _ in driver.fill():
+                    if full:
+                        raise RuntimeError("a profiled prefill step decoded the whole batch")
+                    steps += 1
+                driver.collect()
+            synchronize(runner.device)
+    finally:
+        gc.enable()
+    driver.release()
+    return prof, steps
+
+
 def sweep_inprocess(
     args: argparse.Namespace, batches: list[int], shape: ModelShape, roof: Any = None
 ) -> list[dict[str, Any]]:
     """One row per batch; then, for each batch of ``args.profile_batches``, a profile of
-    ``args.profile_steps`` full-batch decode steps, put in that batch's row."""
+    ``args.profile_steps`` full-batch decode steps, put in that batch's row; with
+    ``args.profile_prefill``, a profile of the largest batch's prefill, put in its row."""
     from tools.step_profile import summarize_profile
 
     profile_batches = getattr(args, "profile_batches", [])
@@ -293,4 +325,29 @@ def sweep_inprocess(
             text = title + " (host ops; kernels need CUDA)\n"
             text += prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
         row["profile_table"] = text
+    if getattr(args, "profile_prefill", False):
+        largest = max(rows, key=lambda r: r["batch"])
+        largest.update(_prefill_profile_row(args, runner, config, largest["batch"], shape, roof))
     return rows
+
+
+def _prefill_profile_row(
+    args: argparse.Namespace, runner: Any, config: Any, batch: int, shape: ModelShape, roof: Any
+) -> dict[str, Any]:
+    """The prefill profile of ``batch`` fresh prompts, for that batch's row."""
+    from tools.prefill_profile import summarize_prefill
+
+    vocab = clamp_vocab_range(args.vocab_range, args.model_path)
+    prompts = random_token_prompts([args.input_len] * batch, vocab, args.seed + 7 * batch)
+    in_flight = 1 if args.no_overlap else 2
+    prof, steps = profile_prefill(runner, config, prompts, in_flight)
+    title = (
+        f"where a prefill step's GPU time goes: {batch} prompts of {args.input_len} tokens in "
+        f"{steps} steps of up to {config.max_num_batched_tokens} tokens, {in_flight} in flight"
+    )
+    if runner.device.type != "cuda":
+        text = title + " (host ops; kernels need CUDA)\n"
+        text += prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+        return {"prefill_profile_table": text}
+    result, text = summarize_prefill(prof, steps, shape, roof, [len(p) for p in prompts], title)
+    return {"prefill_profile": result, "prefill_profile_table": text}

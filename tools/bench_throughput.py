@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         "where the GPU time goes (per part of the step, beside its bytes' floor)",
     )
     p.add_argument("--profile-steps", type=int, default=32, help="decode steps profiled")
+    p.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="inprocess engine: profile the prefill of the largest batch's prompts (each asking "
+        "one token) and print where the GPU time goes, beside each part's FLOP or byte floor",
+    )
     p.add_argument("--hf-baseline", action="store_true", help="also run HF transformers generate")
     p.add_argument("--hf-batches", default="1,64")
     p.add_argument("--vocab-range", type=int, nargs=2, default=(100, 10000), metavar=("LO", "HI"))
@@ -240,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.engine != "inprocess" or not set(args.profile_batches) <= set(batches)
     ):
         raise SystemExit("--profile-batches needs --engine inprocess and batches of --batches")
+    if args.profile_prefill and args.engine != "inprocess":
+        raise SystemExit("--profile-prefill needs --engine inprocess")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     shape = load_model_shape(args.model_path, dtype_bytes=dtype.itemsize)
@@ -291,9 +299,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print(roof.describe() + "; target: decode step <= 1.3x its roofline at batch 8-256")
     for row in rows:
-        if row.get("profile_table"):
-            print("\n" + row["profile_table"], flush=True)
-            text += "\n\n" + row["profile_table"]
+        for key in ("profile_table", "prefill_profile_table"):
+            if row.get(key):
+                print("\n" + row[key], flush=True)
+                text += "\n\n" + row[key]
 
     errors = [f"batch {r['batch']}: {r['error']}" for r in rows if r.get("error")]
     if errors:

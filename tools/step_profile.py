@@ -204,8 +204,10 @@ def breakdown(
     shape: ModelShape,
     roof: Roofline | None = None,
     context_lens: Sequence[int] = (),
+    floors: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Per-step microseconds of each part, the GPU busy and idle time, and floors."""
+    """Per-step microseconds of each part, the GPU busy and idle time, and floors: a decode
+    step's (``part_floors_us``) when ``roof`` is given, or ``floors`` as given."""
     if not kernels or steps < 1:
         raise ValueError("no device kernels in the window: is this a CUDA run?")
     parts = label_kernels(kernels, shape.num_layers)
@@ -220,7 +222,8 @@ def breakdown(
     busy = sum(totals.values())
     overlap = sum(k.duration_us for k in kernels) - busy
     gaps = idle_gaps(kernels)
-    floors = part_floors_us(shape, roof, context_lens) if roof is not None else {}
+    if floors is None:
+        floors = part_floors_us(shape, roof, context_lens) if roof is not None else {}
     rows = [
         {
             "part": part,
