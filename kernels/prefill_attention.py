@@ -7,13 +7,14 @@ from the cache through the block table (the step's keys are already stored, and 
 prefix is simply more keys). So one kernel serves whole prompts, chunked prefill, prefix
 hits and, in a mixed batch, decode rows.
 
-Grid ``(work items x splits, num_kv_heads)``. The ``BLOCK_M`` rows of a query tile are
-``BLOCK_M // GROUP_PAD`` consecutive queries times every query head of one KV head group,
-so each K/V tile loaded from the cache serves the whole group. Scores and the online
-softmax are float32 (exp2, scale folded in); both products run in the input dtype on
-tensor cores with float32 accumulation. The key tiles that every row of a query tile sees
-(those before its first query's position) run without the causal mask or key bounds; only
-the tiles on the diagonal are masked. The tile grows for long query runs
+A one-dimensional grid of work items x splits x KV heads, the heads varying fastest or
+slowest (``kernels.prefill_tiles.heads_fastest`` says which). The ``BLOCK_M`` rows of a
+query tile are ``BLOCK_M // GROUP_PAD`` consecutive queries times every query head of one
+KV head group, so each K/V tile loaded from the cache serves the whole group. Scores and
+the online softmax are float32 (exp2, scale folded in); both products run in the input
+dtype on tensor cores with float32 accumulation. The key tiles that every row of a query
+tile sees (those before its first query's position) run without the causal mask or key
+bounds; only the tiles on the diagonal are masked. The tile grows for long query runs
 (``prefill_tile``).
 
 Which tile of which sequence a program takes comes from a work table
@@ -47,6 +48,7 @@ from kernels.backend import (
 )
 from kernels.prefill_merge import merge_prefill_splits
 from kernels.prefill_tiles import choose_prefill_splits, prefill_tile
+from kernels.prefill_tiles import heads_fastest as choose_heads_fastest
 from kernels.prefill_work import prefill_work_table_triton
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
@@ -135,7 +137,7 @@ def _attend_key_tile(
 # The block tables' row stride is their width, which follows the longest context of an eager
 # batch: specialized, a width that happens to be a multiple of 16 compiled a second variant
 # in the middle of serving (0.7 s on an H200, seen as one slow batch of requests).
-@triton_jit(do_not_specialize=("num_splits", "num_tokens", "stride_table_seq"))
+@triton_jit(do_not_specialize=("num_splits", "num_tokens", "stride_table_seq", "heads_fastest"))
 def _prefill_kernel(
     work_ptr,
     q_ptr,
@@ -159,8 +161,10 @@ def _prefill_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     num_tokens,
+    heads_fastest,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -171,9 +175,15 @@ def _prefill_kernel(
     OPEN_TILES: tl.constexpr,
     RESCALE_SLACK: tl.constexpr,
 ):
-    work = tl.load(work_ptr + tl.program_id(0) // num_splits)
-    split = tl.program_id(0) % num_splits
-    kv_head = tl.program_id(1)
+    if heads_fastest != 0:
+        kv_head = tl.program_id(0) % NUM_KV_HEADS
+        item = tl.program_id(0) // NUM_KV_HEADS
+    else:
+        items = tl.num_programs(0) // NUM_KV_HEADS
+        kv_head = tl.program_id(0) // items
+        item = tl.program_id(0) % items
+    work = tl.load(work_ptr + item // num_splits)
+    split = item % num_splits
     # An entry is seq << 16 | tile. A -1 (no work: the table's slack, most of a captured
     # graph's grid) loads nothing more and finds no query.
     live = work >= 0
@@ -246,7 +256,7 @@ def _prefill_kernel(
         if SPLIT:
             # partial_out [num_splits, num_tokens, num_heads, head_dim], lse alike without
             # head_dim; a row with no visible key in this split weighs 0 in the merge.
-            num_heads = tl.num_programs(1) * GROUP
+            num_heads = NUM_KV_HEADS * GROUP
             row_index = (split * num_tokens + token) * num_heads + heads
             tl.store(
                 partial_out_ptr + row_index[:, None] * head_dim + dims[None, :],
@@ -284,6 +294,7 @@ def paged_prefill_attention_triton(
     num_splits: int | None = None,
     split_seqs: int = 0,
     work_table: torch.Tensor | None = None,
+    heads_fastest: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [T, num_heads, head_dim]`` over the paged cache.
 
@@ -293,7 +304,8 @@ def paged_prefill_attention_triton(
     ``max_query_len`` sizes the grid; when 0 it is read from ``query_start_loc`` (one host
     sync, fine for eager prefill). ``max_context_len`` (0: unknown, no split) decides the
     split over keys unless ``num_splits`` is given, planned for ``split_seqs`` sequences
-    (0: all of the batch's). Rows of ``q`` past
+    (0: all of the batch's). ``heads_fastest`` (None: ``kernels.prefill_tiles``' rule)
+    orders the programs; the result is the same either way. Rows of ``q`` past
     ``query_start_loc[-1]`` are not written.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -348,7 +360,10 @@ def paged_prefill_attention_triton(
         )
     else:
         partial_out = partial_lse = out  # unused
-    grid = (work_table.shape[0] * num_splits, num_kv_heads)
+    grid = (work_table.shape[0] * num_splits * num_kv_heads,)
+    if heads_fastest is None:
+        kv_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()
+        heads_fastest = choose_heads_fastest(max_query_len, max_context_len, kv_bytes)
     _prefill_kernel[grid](
         work_table,
         q,
@@ -372,8 +387,10 @@ def paged_prefill_attention_triton(
         partial_out,
         partial_lse,
         num_tokens,
+        int(heads_fastest),
         GROUP=group,
         GROUP_PAD=group_pad,
+        NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,

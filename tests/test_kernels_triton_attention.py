@@ -212,6 +212,51 @@ def test_prefill_tile_follows_the_longest_query_run(monkeypatch):
     pa.long_query_tokens.cache_clear()
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefill_program_order_gives_the_same_bits(num_splits):
+    """The KV heads fastest or slowest in the grid: each program computes the same tile, so
+    the outputs are the same bits (split over keys too)."""
+    cases = [(40, 29), (70, 6), (13, 13)]
+    q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(
+        cases, 8, 2, 16, 4, torch.bfloat16, SEED + 41
+    )
+    expected = paged_attention_ref(q, k_cache, v_cache, tables, ctx_lens, qsl, 0.25, 29, 70)
+    outs = []
+    for heads_fastest in (False, True):
+        with poisoned():
+            outs.append(
+                paged_prefill_attention_triton(
+                    q,
+                    k_cache,
+                    v_cache,
+                    tables,
+                    ctx_lens,
+                    qsl,
+                    0.25,
+                    29,
+                    70,
+                    block_m=16,
+                    block_n=16,
+                    num_splits=num_splits,
+                    heads_fastest=heads_fastest,
+                )
+            )
+    check(outs[1], expected, f"prefill, heads fastest, {num_splits} splits")
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_heads_fastest_for_few_query_tiles_or_keys_that_fit_l2():
+    from kernels.prefill_tiles import heads_fastest
+
+    per_token = 2 * 8 * 128 * 2  # Qwen3-4B's keys and values a token, one layer: 4 KiB
+    assert heads_fastest(1024, 0, per_token)  # a prefill graph: max_context_len unknown
+    assert heads_fastest(1024, 40960, per_token)  # a short tail after a long prefix
+    assert heads_fastest(8192, 8192, per_token)  # 32 MiB of keys and values
+    assert not heads_fastest(16384, 16384, per_token)
+    assert not heads_fastest(4096, 16384, per_token)
+    assert not heads_fastest(16384, 0, per_token)  # the context holds the queries at least
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_sixteen_splits_twice(dtype):
     """16 key splits and their merge: odd contexts, several sequences, GQA over two KV
