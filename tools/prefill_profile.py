@@ -26,10 +26,10 @@ def prefill_floors_us(
     shape: ModelShape, roof: Roofline, prompt_lens: Sequence[int], steps: int
 ) -> dict[str, float]:
     """Each part's floor, microseconds a step, for ``prompt_lens`` prefilled over ``steps``
-    steps (no prompt shares a prefix with the cache)."""
+    steps (no prompt shares a prefix with the cache); every step reads the weights once."""
     h, d, layers, dtype = shape.hidden_size, shape.head_dim, shape.num_layers, shape.dtype_bytes
     inter, heads, kv_heads = shape.intermediate_size, shape.num_heads, shape.num_kv_heads
-    tokens = sum(prompt_lens)
+    tokens = sum(prompt_lens) / steps  # a step's
     qkv_width = (heads + 2 * kv_heads) * d
     # (input features, output features) of each projection
     projections = {
@@ -43,10 +43,11 @@ def prefill_floors_us(
         flops = 2.0 * tokens * fan_in * fan_out * layers
         nbytes = (fan_in * fan_out + tokens * (fan_in + fan_out)) * dtype * layers
         floors[name] = roof.seconds(flops, nbytes)
+    last_tokens = len(prompt_lens) / steps
     floors[LM_HEAD] = roof.seconds(
-        2.0 * len(prompt_lens) * shape.lm_head_params, shape.lm_head_params * dtype
+        2.0 * last_tokens * shape.lm_head_params, shape.lm_head_params * dtype
     )
-    attention = sum(shape.attention_flops(n, n) for n in prompt_lens)
+    attention = sum(shape.attention_flops(n, n) for n in prompt_lens) / steps
     floors["prefill attention"] = attention / roof.matmul_flops_per_s
     elementwise = {
         # two norms a layer, each reading the stream and the residual and writing both
@@ -58,7 +59,7 @@ def prefill_floors_us(
     }
     for name, per_token in elementwise.items():
         floors[name] = tokens * per_token * dtype * layers / roof.copy_bytes_per_s
-    return {name: seconds * 1e6 / steps for name, seconds in floors.items()}
+    return {name: seconds * 1e6 for name, seconds in floors.items()}
 
 
 def summarize_prefill(
