@@ -8,24 +8,12 @@ import argparse
 
 import pytest
 import torch
+from test_step_profile import SHAPE
 
-from tools.bench_model import ModelShape, Roofline
+from tools.bench_model import Roofline
 from tools.prefill_profile import prefill_floors_us
 from tools.step_profile import LM_HEAD, Kernel, breakdown, format_breakdown
 
-SHAPE = ModelShape(
-    architecture="Qwen3ForCausalLM",
-    num_layers=2,
-    hidden_size=64,
-    intermediate_size=128,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    vocab_size=1000,
-    tie_word_embeddings=True,
-    has_qk_norm=True,
-    dtype_bytes=2,
-)
 ROOF = Roofline("test", "bfloat16", copy_bytes_per_s=1e12, matmul_flops_per_s=1e14)
 
 
