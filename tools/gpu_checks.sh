@@ -51,7 +51,8 @@ tests)
     tests/test_kernels_argmax.py tests/test_kernels_embedding.py \
     tests/test_kernels_decode_inputs.py tests/test_cuda_graphs.py tests/test_compile_ahead.py \
     tests/test_overlap.py tests/test_sampler.py tests/test_worker_logprobs.py \
-    tests/test_step_profile.py tests/test_pdl.py tests/test_compile_watch.py
+    tests/test_step_profile.py tests/test_prefill_profile.py tests/test_pdl.py \
+    tests/test_compile_watch.py
   ;;
 bench)
   need_checkpoint
@@ -62,7 +63,8 @@ bench)
   step bench_throughput python3 -m tools.bench_throughput --model-path "$ckpt" \
     --out "$out/throughput" --hf-baseline
   step bench_throughput_inprocess python3 -m tools.bench_throughput --model-path "$ckpt" \
-    --engine inprocess --profile-batches 8,32,64 --out "$out/throughput_inprocess"
+    --engine inprocess --profile-batches 8,32,64 --profile-prefill \
+    --out "$out/throughput_inprocess"
   step bench_prefix_cache python3 -m tools.bench_prefix_cache --model-path "$ckpt" \
     --out "$out/prefix_cache" --lengths 1024,4096,16384
   ;;
