@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -233,6 +234,11 @@ def test_bench_latency(micro_dir, tmp_path):
     # A longer context reads more KV: its floor is higher.
     assert rows[40]["roofline_ms_per_step"] > rows[8]["roofline_ms_per_step"]
     assert "context 40" in stderr  # the progress bar
+    # Each context is prefilled three times (the default); the median is its prefill time.
+    for row in rows.values():
+        assert len(row["prefill_ms_runs"]) == 3
+        assert row["prefill_ms"] == pytest.approx(statistics.median(row["prefill_ms_runs"]))
+    assert "prefill ms (median of 3)" in stdout
 
 
 def test_bench_ab_alternates_bench_latency_variants(micro_dir, tmp_path):

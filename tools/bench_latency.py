@@ -4,9 +4,10 @@ roofline measured in the same run.
     python -m tools.bench_latency --model-path DIR --contexts 128,4096 --steps 256 --out DIR
 
 It drives ``worker_proc.model_runner.ModelRunner`` directly with step plans, as the scheduler
-would: prefill the context (in chunks of max_num_batched_tokens), then run warm-up and timed
-decode steps of one sequence, two in flight as in serving (``--no-overlap``: one), so that
-step i + 1 is launched before step i's token reaches the host. A step's time is the gap
+would: prefill the context (in chunks of max_num_batched_tokens; ``--prefill-repeats`` times,
+the median reported as the prefill's time), then run warm-up and timed decode steps of one
+sequence, two in flight as in serving (``--no-overlap``: one), so that step i + 1 is
+launched before step i's token reaches the host. A step's time is the gap
 between two results arriving on the host: it includes sampling and the copy back. When the
 runner captures CUDA graphs (not ``--enforce-eager``), the decode steps replay them.
 
@@ -43,6 +44,8 @@ from tools.bench_model import (
 )
 
 BLOCK_SIZE = 16
+# Sequence ids of the repeated prefills, clear of the contexts' own (0, 1, ...).
+EXTRA_SEQ_IDS = 1 << 20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", default="128,4096", help="context lengths, comma separated")
     p.add_argument("--steps", type=int, default=256, help="timed decode steps per context")
     p.add_argument("--warmup-steps", type=int, default=16)
+    p.add_argument(
+        "--prefill-repeats",
+        type=int,
+        default=3,
+        help="prefill each context this many times and report the median",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
         "--no-overlap",
@@ -107,9 +116,11 @@ def run_context(
     seed: int,
     in_flight: int,
     profiler: Any = None,
+    prefill_repeats: int = 1,
 ) -> dict[str, Any]:
-    """Prefill one sequence of ``context`` random tokens, then time decode steps (all of them,
-    warm-up included, inside ``profiler``'s window when one is given)."""
+    """Prefill one sequence of ``context`` random tokens (``prefill_repeats`` times, the
+    median timed), then time decode steps (all of them, warm-up included, inside
+    ``profiler``'s window when one is given)."""
     from pegainfer.protocol import BlockTableUpdate, NewSequence, SamplingParams, StepPlan, pack_ids
 
     total = context + warmup + steps + 1
@@ -121,33 +132,51 @@ def run_context(
     chunk = max(1, runner.config.max_num_batched_tokens)
     step_id = 0
 
-    def plan(computed: int, scheduled: int, new: list, updates: list) -> StepPlan:
+    def plan(
+        computed: int, scheduled: int, new: list, updates: list, seq: int = seq_id
+    ) -> StepPlan:
         nonlocal step_id
         step_id += 1
         return StepPlan(
             step_id,
             new,
-            pack_ids([seq_id]),
+            pack_ids([seq]),
             pack_ids([computed]),
             pack_ids([scheduled]),
             updates,
             b"",
         )
 
-    synchronize(runner.device)
-    began = time.perf_counter()
-    computed = 0
-    new = [NewSequence(seq_id, pack_ids(prompt), sampling, context)]
-    updates = [BlockTableUpdate(seq_id, pack_ids(blocks))]
-    while computed < context:
-        count = min(chunk, context - computed)
-        result = runner.execute(plan(computed, count, new, updates))
-        new, updates = [], []
-        computed += count
-    synchronize(runner.device)
-    prefill_s = time.perf_counter() - began
-    if len(result.token_ids) != 4:
-        raise RuntimeError("the prefill's last step sampled no token")
+    def prefill(seq: int) -> float:
+        synchronize(runner.device)
+        began = time.perf_counter()
+        computed = 0
+        new = [NewSequence(seq, pack_ids(prompt), sampling, context)]
+        updates = [BlockTableUpdate(seq, pack_ids(blocks))]
+        while computed < context:
+            count = min(chunk, context - computed)
+            result = runner.execute(plan(computed, count, new, updates, seq))
+            new, updates = [], []
+            computed += count
+        synchronize(runner.device)
+        if len(result.token_ids) != 4:
+            raise RuntimeError("the prefill's last step sampled no token")
+        return time.perf_counter() - began
+
+    def finish(seq: int) -> None:
+        # Free the sequence on the runner (a plan with nothing to run but the finish).
+        nonlocal step_id
+        step_id += 1
+        runner.execute(StepPlan(step_id, [], b"", b"", b"", [], pack_ids([seq])))
+
+    # The same prompt prefilled again in the same blocks, each freed before the next; the
+    # last one goes on to decode. A run's first prefill can carry one-off costs.
+    prefill_runs = []
+    for repeat in range(prefill_repeats - 1):
+        prefill_runs.append(prefill(EXTRA_SEQ_IDS + repeat))
+        finish(EXTRA_SEQ_IDS + repeat)
+    prefill_runs.append(prefill(seq_id))
+    computed = context
 
     # Steps are submitted ahead, ``in_flight`` at a time, as the serving loop does: with two,
     # step i + 1 is launched before step i's token reaches the host (the runner feeds it
@@ -176,11 +205,11 @@ def run_context(
         synchronize(runner.device)
         profiler.stop()
     times = [done[i + 1] - done[i] for i in range(warmup, total_steps)]
-    # Free the sequence on the runner (a plan with nothing to run but the finish).
-    runner.execute(StepPlan(step_id + 1, [], b"", b"", b"", [], pack_ids([seq_id])))
+    finish(seq_id)
     return {
         "context": context,
-        "prefill_s": prefill_s,
+        "prefill_s": statistics.median(prefill_runs),
+        "prefill_runs_s": prefill_runs,
         "step_s": times,
         "first_timed_context": context + warmup,
     }
@@ -264,6 +293,7 @@ def summarize_context(raw: dict[str, Any], shape: ModelShape, roof: Roofline) ->
         "roofline_tok_s": 1.0 / roof_s,
         "pct_of_roofline": pct(roof_s, mean_s),
         "prefill_ms": raw["prefill_s"] * 1e3,
+        "prefill_ms_runs": [t * 1e3 for t in raw["prefill_runs_s"]],
         "prefill_roofline_ms": prefill_roof * 1e3,
         "prefill_pct_of_roofline": pct(prefill_roof, raw["prefill_s"]),
     }
@@ -274,6 +304,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     contexts = parse_int_list(args.contexts)
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
+    if args.prefill_repeats < 1:
+        raise SystemExit("--prefill-repeats must be at least 1")
     max_model_len = max(contexts) + args.warmup_steps + args.steps + 2
 
     started = time.perf_counter()
@@ -304,7 +336,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for i, context in enumerate(contexts):
         raw = run_context(
-            runner, context, args.steps, args.warmup_steps, i, args.seed + i, in_flight
+            runner,
+            context,
+            args.steps,
+            args.warmup_steps,
+            i,
+            args.seed + i,
+            in_flight,
+            prefill_repeats=args.prefill_repeats,
         )
         rows.append(summarize_context(raw, shape, roof))
     profile_text = None
@@ -327,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "roofline ms",
             "roofline tok/s",
             "% of roofline",
-            "prefill ms",
+            f"prefill ms (median of {args.prefill_repeats})",
             "prefill roofline ms",
         ],
         [
