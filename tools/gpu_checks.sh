@@ -52,7 +52,7 @@ tests)
     tests/test_kernels_decode_inputs.py tests/test_cuda_graphs.py tests/test_compile_ahead.py \
     tests/test_overlap.py tests/test_sampler.py tests/test_worker_logprobs.py \
     tests/test_step_profile.py tests/test_prefill_profile.py tests/test_pdl.py \
-    tests/test_compile_watch.py
+    tests/test_compile_watch.py tests/test_warm_up.py
   ;;
 bench)
   need_checkpoint

@@ -63,6 +63,7 @@ from worker_proc.sampler import Sampler, SamplingBatch, has_penalties
 from worker_proc.seq_slots import SlotTable
 from worker_proc.step_results import ResultQueue
 from worker_proc.upload import Uploader
+from worker_proc.warm_up import warm_up_step_path
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,11 @@ class ModelRunner:
             self.graph_capture_seconds = captured.seconds
             release_warm_up_memory(self.device)
         timeline.mark("graphs")
+        # The eager ops that only requests run load their CUDA modules here, not inside the
+        # first requests (worker_proc/warm_up.py). A CPU has no lazy loading to hide.
+        if self.device.type == "cuda":
+            warm_up_step_path(self)
+            timeline.mark("warm-up")
 
     # ------------------------------------------------------------------ plans
 

@@ -112,10 +112,15 @@ class SamplingBatch:
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, uploader: Uploader | None = None):
         self.device = device
+        self.seed = seed
         self.shared_generator = torch.Generator(device=device)
         self.shared_generator.manual_seed(seed)
         self.uploader = uploader or Uploader(device, ring_size=2)
         self._vocab_salt: torch.Tensor | None = None
+
+    def reseed(self) -> None:
+        """Start the unseeded rows' generator over, as at construction."""
+        self.shared_generator.manual_seed(self.seed)
 
     def _salt(self, vocab: int) -> torch.Tensor:
         if self._vocab_salt is None or self._vocab_salt.numel() != vocab:
