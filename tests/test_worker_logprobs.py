@@ -10,6 +10,7 @@ import torch
 from worker_helpers import MiniScheduler, engine_config, make_tiny_checkpoint
 
 from pegainfer.protocol import SamplingParams, unpack_floats, unpack_ids
+from worker_proc.cuda_graphs import EagerGraphBackend
 from worker_proc.logprobs import top_logprobs
 from worker_proc.model_runner import ModelRunner
 
@@ -17,9 +18,13 @@ pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory) -> ModelRunner:
-    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("qwen3-lp")), "qwen3", seed=5)
-    return ModelRunner(engine_config(path))
+def checkpoint(tmp_path_factory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("qwen3-lp")), "qwen3", seed=5)
+
+
+@pytest.fixture(scope="module")
+def runner(checkpoint) -> ModelRunner:
+    return ModelRunner(engine_config(checkpoint))
 
 
 def run_collecting(runner: ModelRunner, seqs: dict[int, tuple[list[int], int, SamplingParams]]):
@@ -100,6 +105,38 @@ def test_sampled_and_prompt_logprobs_match_the_full_forward(runner):
         assert token == prompt[position]
         expected = float(reference[position - 1, prompt[position]])
         assert math.isclose(value, expected, abs_tol=1e-4), position
+
+
+def test_only_the_prompt_steps_of_a_prompt_logprobs_request_run_eagerly(runner, checkpoint):
+    """With graphs, the steps that compute the prompt of a request asking for prompt
+    logprobs run eagerly (they need every position's hidden state); its decode steps, and
+    the batch's around them, replay graphs. The logprobs are those of the eager runner."""
+    backend = EagerGraphBackend()
+    graphed = ModelRunner(engine_config(checkpoint, max_num_seqs=4), graph_backend=backend)
+    prompt = [7, 3, 99, 250, 11, 42, 8, 17, 300, 5, 61, 2, 90]  # 13 tokens: 3 chunks
+    seqs = {
+        11: (prompt, 6, SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=2)),
+        12: ([5, 6, 7], 6, SamplingParams(temperature=0.0)),
+    }
+    replays = backend.num_replays
+    got = run_collecting(graphed, seqs)
+    # 3 prompt chunks run eagerly; the 5 decode steps of both sequences replay a graph.
+    assert backend.num_replays - replays == 5
+    want = run_collecting(runner, seqs)
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert (a.seq_ids, a.token_ids) == (b.seq_ids, b.token_ids)
+        for entries_a, entries_b in (
+            (a.logprobs, b.logprobs),
+            (a.prompt_logprobs, b.prompt_logprobs),
+        ):
+            assert len(entries_a) == len(entries_b)
+            for x, y in zip(entries_a, entries_b, strict=True):
+                assert unpack_ids(x.token_ids) == unpack_ids(y.token_ids)
+                assert unpack_ids(x.top_ids) == unpack_ids(y.top_ids)
+                assert unpack_floats(x.logprobs) == pytest.approx(
+                    unpack_floats(y.logprobs), abs=1e-4, nan_ok=True
+                )
 
 
 def test_no_logprobs_asked_means_none_sent(runner):

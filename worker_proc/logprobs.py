@@ -78,6 +78,15 @@ class _StepJob:
     prompt: list[_Piece] = field(default_factory=list)
 
 
+def wants_prompt_hidden(seq: SequenceState, num_computed: int) -> bool:
+    """Whether a step that starts at ``num_computed`` of ``seq`` has prompt logprobs to
+    give (``LogprobsCollector.prompt_step``): the first position's entry, or a prompt token
+    that one of the step's positions predicts."""
+    if seq.sampling.prompt_logprobs is None:
+        return False
+    return num_computed == 0 or num_computed < seq.num_prompt_tokens - 1
+
+
 class LogprobsCollector:
     def __init__(self) -> None:
         self._jobs: dict[int, _StepJob] = {}

@@ -55,7 +55,7 @@ from worker_proc.layers.attention import bind_kv_caches
 from worker_proc.live_seqs import LiveSequences
 from worker_proc.live_seqs import PlanError as PlanError  # re-exported for callers
 from worker_proc.loader import load_model
-from worker_proc.logprobs import LogprobsCollector
+from worker_proc.logprobs import LogprobsCollector, wants_prompt_hidden
 from worker_proc.model_config import load_model_config
 from worker_proc.parallel_state import broadcast_from_rank0, init_distributed
 from worker_proc.prefill_graphs import PrefillGraphs
@@ -194,8 +194,11 @@ class ModelRunner:
         if penalised and any(s.num_unresolved and has_penalties(s.sampling) for s in seqs):
             self._copy_back_all()  # penalties read the whole history on the host
         size = prefill_size = None
-        # Prompt logprobs need the hidden states: such steps run eagerly.
-        if self.graphs is not None and all(s.sampling.prompt_logprobs is None for s in seqs):
+        # Prompt logprobs need the hidden states: a step computing a prompt that asks for
+        # them runs eagerly. The sequence's later steps (its decodes) replay graphs again.
+        if self.graphs is not None and not any(
+            wants_prompt_hidden(s, c) for s, c in zip(seqs, num_computed, strict=True)
+        ):
             size = self.graphs.size_for(len(seqs), max(num_scheduled))
             if size is None and self.prefill_graphs is not None:
                 prefill_size = self.prefill_graphs.size_for(len(seqs), sum(num_scheduled))
