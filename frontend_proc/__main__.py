@@ -19,6 +19,7 @@ from frontend_proc.app import create_app
 from frontend_proc.engine_client import EngineClient
 from frontend_proc.server_state import ServerState, start_drain
 from pegainfer.config import STAGE_SCHEDULER_READY, EngineConfig
+from pegainfer.gc_control import settle_heap
 from pegainfer.process import child_args, init_child, report_ready
 
 logger = logging.getLogger(__name__)
@@ -38,13 +39,16 @@ async def serve(config: EngineConfig, run_dir: str) -> None:
     # aborts its requests in the engine.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
+    # Before the port opens: after it, a full collection (about 10 ms) would hold up
+    # whatever request came in first.
+    settle_heap(NAME)
     site = web.TCPSite(runner, config.host, config.port, backlog=1024)
     await site.start()
     addresses = runner.addresses
     port = addresses[0][1] if addresses else config.port
     logger.info("serving %s on http://%s:%d", config.served_model_name, config.host, port)
     sync_ctx = zmq.Context()
-    report_ready(sync_ctx, run_dir, NAME, host=config.host, port=port)
+    report_ready(sync_ctx, run_dir, NAME, settle=False, host=config.host, port=port)
     try:
         await asyncio.Event().wait()
     finally:

@@ -4,8 +4,8 @@ A full (generation-2) collection walks every tracked object of the process, and 
 them are start-up's: torch's and Triton's modules, the model, the tokenizer, the block pool.
 None of that is ever garbage, yet each full collection scans it again, stopping the process
 meanwhile: about 0.1 s in a GPU worker, long enough to leave the GPU idle for dozens of
-decode steps. Every process therefore collects once when it is ready and moves what
-survives into the permanent generation (``gc.freeze``); later collections walk only what
+decode steps. Every process therefore collects once as it becomes ready (just before it
+says so, pegainfer/process.py) and moves what survives into the permanent generation (``gc.freeze``); later collections walk only what
 serving allocated since. Reference counting still frees frozen objects; only cycles among
 them are never reclaimed, and start-up's cycles were collected just before.
 

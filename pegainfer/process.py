@@ -155,16 +155,18 @@ def release_free_heap() -> None:
     trim(0)
 
 
-def report_ready(ctx: zmq.Context, run_dir: str, name: str, **info) -> None:
-    """Tell the launcher this process has started, once start-up's garbage is returned; then
-    take start-up's objects out of the garbage collector's walks (pegainfer/gc_control.py)."""
+def report_ready(ctx: zmq.Context, run_dir: str, name: str, *, settle: bool = True, **info) -> None:
+    """Tell the launcher this process has started, once start-up's objects are out of the
+    garbage collector's walks (pegainfer/gc_control.py) and its garbage is returned to the
+    OS: done after the message, the collection, the trim and a wait for the message to
+    leave held up the first request that came in (30 ms queued in the scheduler on a CPU).
+    ``settle=False``: the caller settled its heap already (``settle_heap``)."""
+    if settle:
+        settle_heap(name)
     release_free_heap()
     logger.info("ready %s", " ".join(f"{k}={v}" for k, v in info.items()))
     sock = ipc.connect(ctx, zmq.PUSH, run_dir, "launcher")
     ipc.send(sock, protocol.ProcessReady(name=name, pid=os.getpid(), info=info))
-    # LINGER is 0 on our sockets; give the message a moment to leave before closing.
-    time.sleep(0.05)
+    # LINGER is 0 on our sockets. Closed with one, the socket's message is still delivered
+    # by the context's I/O thread after close returns (the context lives on).
     sock.close(linger=1000)
-    # After the message, so that the collection does not delay the tree's readiness.
-    settle_heap(name)
-    release_free_heap()
