@@ -158,8 +158,8 @@ def release_free_heap() -> None:
 def report_ready(ctx: zmq.Context, run_dir: str, name: str, *, settle: bool = True, **info) -> None:
     """Tell the launcher this process has started, once start-up's objects are out of the
     garbage collector's walks (pegainfer/gc_control.py) and its garbage is returned to the
-    OS: done after the message, the collection, the trim and a wait for the message to
-    leave held up the first request that came in (30 ms queued in the scheduler on a CPU).
+    OS. Done after the message, the collection, the trim and a 50 ms wait for the message to
+    leave could hold up the first request (queued 30 ms in the scheduler in one CPU run).
     ``settle=False``: the caller settled its heap already (``settle_heap``)."""
     if settle:
         settle_heap(name)
