@@ -57,8 +57,7 @@ SAMPLINGS = (
 
 
 class _Steps:
-    """Plans for the runner, numbered on from a step id the scheduler never sends (its ids
-    count up from 0 too, but its results are polled before it starts)."""
+    """Plans for the runner, under negative step ids, which the scheduler never sends."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -66,7 +65,6 @@ class _Steps:
         self.next_seq = FIRST_SEQ_ID
         self.next_block = 0
         self.computed: dict[int, int] = {}
-        self.known: dict[int, int] = {}
 
     def new(self, sampling: SamplingParams, prompt_len: int) -> tuple[NewSequence, list[int]]:
         seq_id, self.next_seq = self.next_seq, self.next_seq + 1
@@ -75,7 +73,7 @@ class _Steps:
         blocks = self.runner.kv_spec.blocks_for_tokens(prompt_len + 2)
         table = list(range(self.next_block, self.next_block + blocks))
         self.next_block += blocks
-        self.computed[seq_id], self.known[seq_id] = 0, prompt_len
+        self.computed[seq_id] = 0
         return NewSequence(seq_id, pack_ids(prompt), sampling, prompt_len), table
 
     def submit(
@@ -90,7 +88,6 @@ class _Steps:
         computed = [self.computed[s] for s in seq_ids]
         for seq_id, count in zip(seq_ids, scheduled, strict=True):
             self.computed[seq_id] += count
-            self.known[seq_id] = self.computed[seq_id] + 1
         self.step_id += 1
         self.runner.submit(
             StepPlan(
@@ -118,7 +115,7 @@ def warm_up_step_path(runner: ModelRunner) -> float:
     # A mixed step (a group decoding beside one more prompt) where the batch has room.
     group_size = max(1, min(max_num_seqs - 1, len(SAMPLINGS)))
     mixed = group_size < max_num_seqs
-    if steps.blocks_needed(group_size + mixed, prompt_len) > runner.num_kv_blocks:
+    if steps.blocks_needed(group_size + int(mixed), prompt_len) > runner.num_kv_blocks:
         logger.info("start-up warm-up skipped: the KV cache has too few blocks")
         return 0.0
     with torch.inference_mode():
