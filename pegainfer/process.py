@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import zmq
 
-from pegainfer import ipc, protocol
+from pegainfer import ipc, protocol, wire
 from pegainfer.config import STAGE_LAUNCHED, EngineConfig
 from pegainfer.gc_control import log_collections, settle_heap
 
@@ -89,6 +89,7 @@ def init_child(name: str, run_dir: str, stage: int = STAGE_LAUNCHED) -> EngineCo
     # The launcher's watchdog sends SIGUSR2 to every process to see where each one is stuck.
     faulthandler.register(signal.SIGUSR2, file=sys.stderr, all_threads=True)
     ipc.enable_tap(run_dir, name)
+    wire.prepare_codecs()
     # Ctrl-C reaches the whole process group; only the launcher acts on it, and it then
     # stops the children in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

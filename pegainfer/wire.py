@@ -264,6 +264,14 @@ def _record_decoder(cls: type) -> Decoder:
     return decoder
 
 
+def prepare_codecs() -> None:
+    """Build every registered message's encoder and decoder now, rather than at a process's
+    first message of each type, inside a request's time (all of them: about 3 ms)."""
+    for cls in _TAG_TO_TYPE.values():
+        _field_values(cls)
+        _record_decoder(cls)
+
+
 def decode(data: bytes, expected: tuple[type, ...] | None = None) -> Any:
     """Decode and validate one message. ``expected`` restricts which message types a socket
     accepts; anything else raises ``ProtocolError``."""

@@ -171,3 +171,16 @@ def test_pack_ids_refuses_what_is_not_int32(ids, error):
         p.pack_ids(ids)
     with pytest.raises(error):
         p.pack_ids(ids * 2000)  # past the struct-packed lengths: the same error
+
+
+def test_prepare_codecs_builds_every_message_codec_ahead():
+    wire._FIELD_VALUES.clear()
+    wire._DECODERS.clear()
+    wire.prepare_codecs()
+    registered = set(wire._TAG_TO_TYPE.values())
+    assert registered and registered <= set(wire._FIELD_VALUES) & set(wire._DECODERS)
+    # Built ahead, they are the ones a message then uses.
+    decoders = dict(wire._DECODERS)
+    msg = p.AbortRequests(request_ids=["a", "b"])
+    assert wire.decode(wire.encode(msg)) == msg
+    assert wire._DECODERS == decoders
