@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from pegainfer.protocol import SamplingParams
-from worker_proc.sampler import Sampler, mix32, mix32_int, seed_key, seeded_exponentials
+from worker_proc import sampler as sampler_module
+from worker_proc.sampler import (
+    CANDIDATES,
+    Sampler,
+    mix32,
+    mix32_int,
+    seed_key,
+    seeded_exponentials,
+)
 from worker_proc.upload import Uploader
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -42,7 +50,7 @@ def test_greedy_is_argmax():
     tiny = SamplingParams(temperature=1e-6)
     assert _sample(_sampler(), logits, [tiny] * 16).tolist() == tokens.tolist()
     batch = _sampler().prepare([GREEDY] * 16, 300)
-    assert batch.all_greedy and batch.temperatures is None  # nothing uploaded
+    assert batch.all_greedy and batch.groups == [] and batch.greedy is None  # nothing uploaded
 
 
 def test_bfloat16_logits_sample_as_their_float32_copy():
@@ -139,6 +147,69 @@ def test_top_k_rows_mixed_with_unfiltered_rows():
     tokens = _sample(_sampler(), logits, params, list(range(n)))
     assert set(tokens[1::2].tolist()) == {0, 1}
     assert set(tokens[0::2].tolist()) == {0, 1, 2, 3}
+
+
+def _full_path_only(monkeypatch) -> None:
+    monkeypatch.setattr(sampler_module, "CANDIDATES", 0)
+
+
+def test_candidate_path_draws_what_the_whole_vocabulary_draws(monkeypatch):
+    """Rows with a top-k of at most CANDIDATES are drawn from their largest scores only:
+    the same tokens as the draw over the whole vocabulary, for every filter combination."""
+    vocab, rows = 5000, 96
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(11)) * 3
+    settings = [
+        SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
+        SamplingParams(temperature=1.0, top_k=50),
+        SamplingParams(temperature=0.8, top_k=128, min_p=0.05),
+        SamplingParams(temperature=1.3, top_k=7, top_p=0.5, min_p=0.1),
+    ]
+    params = [SamplingParams(**{**vars(settings[i % 4]), "seed": 1000 + i}) for i in range(rows)]
+    positions = list(range(40, 40 + rows))
+    batch = _sampler().prepare(params, vocab)
+    assert [g.candidates for g in batch.groups] == [True]
+    candidates = _sample(_sampler(), logits, params, positions)
+    _full_path_only(monkeypatch)
+    assert [g.candidates for g in _sampler().prepare(params, vocab).groups] == [False]
+    assert candidates.tolist() == _sample(_sampler(), logits, params, positions).tolist()
+
+
+def test_candidate_path_follows_the_filtered_distribution():
+    probs = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
+    # top_k 5 renormalises to [0.353, 0.235, 0.176, 0.118, 0.118]; top_p 0.7 keeps the
+    # first three (0.588 before the third, 0.765 before the fourth).
+    kept = probs[:3] / probs[:3].sum()
+    for seed in (None, 3):
+        params = SamplingParams(temperature=1.0, top_k=5, top_p=0.7, seed=seed)
+        counts = torch.bincount(_draw(params, probs.tolist(), n=6000), minlength=8)
+        freq = counts.double() / counts.sum()
+        assert counts[3:].sum() == 0
+        assert torch.allclose(freq[:3], kept.double(), atol=0.03)
+
+
+def test_each_row_takes_its_own_path_whatever_the_batch(monkeypatch):
+    """A seeded top-k row draws the same token alone and beside rows of the other path
+    (top-p alone, a top-k past CANDIDATES), greedy rows and unseeded rows."""
+    vocab = 3000
+    crowd = torch.randn(5, vocab, generator=torch.Generator().manual_seed(2)) * 2
+    row = torch.randn(1, vocab, generator=torch.Generator().manual_seed(4)) * 2
+    seeded = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=42)
+    others = [
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=1.0, top_k=CANDIDATES + 1, seed=1),
+        GREEDY,
+        SamplingParams(temperature=0.9, top_k=5),
+        SamplingParams(temperature=1.0),
+    ]
+    batch = _sampler().prepare([*others[:2], seeded, *others[2:]], vocab)
+    assert sorted(g.candidates for g in batch.groups) == [False, True]
+    for position in range(10, 20):
+        alone = _sample(_sampler(), row, [seeded], [position]).item()
+        logits = torch.cat([crowd[:2], row, crowd[2:]])
+        params = [*others[:2], seeded, *others[2:]]
+        tokens = _sample(_sampler(5), logits, params, [1, 2, position, 3, 4, 5])
+        assert tokens[2].item() == alone
+        assert tokens[3].item() == crowd[2].argmax().item()
 
 
 def test_mixed_batch_applies_each_rows_settings():

@@ -10,11 +10,15 @@ per step: a decode batch keeps its composition for many steps. ``sample`` then i
 device work; the caller copies the tokens back once, asynchronously.
 
 Drawing uses the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` per vocabulary
-entry samples exactly from ``p``. Unseeded rows draw ``E`` from one shared generator. A
-seeded row's ``E`` is a counter-based hash of (seed, position of the token being drawn,
-vocabulary index), so its tokens depend on nothing else: not on the other rows of the batch,
-not on how many steps ran before, and they repeat exactly when a preempted request is
-recomputed.
+entry samples exactly from ``p``. Unseeded rows draw ``E`` from one shared generator; a
+seeded row's ``E`` is a counter-based hash of (seed, position, vocabulary index)
+(worker_proc/sampling_noise.py).
+
+Rows whose top-k is at most ``CANDIDATES`` (Qwen3's recommended 20, say) take the candidate
+path: one ``topk`` finds each row's ``CANDIDATES`` largest scores, and the top-k, top-p and
+min-p cuts and the draw run over those alone. Every other sampled row runs over its whole
+vocabulary, sorting it only for top-p. Which path a row takes depends on its own settings
+only, so a seeded row draws the same token whatever batch it is in.
 """
 
 from __future__ import annotations
@@ -26,15 +30,37 @@ import torch
 
 import kernels
 from pegainfer.protocol import SamplingParams
+from worker_proc.sampling_noise import (
+    mix32,
+    mix32_int,
+    seed_key,
+    seeded_exponentials,
+    vocab_salt,
+)
 from worker_proc.upload import Uploader
 
+__all__ = [
+    "CANDIDATES",
+    "GREEDY_TEMPERATURE",
+    "RowGroup",
+    "Sampler",
+    "SamplingBatch",
+    "has_penalties",
+    "is_greedy",
+    "mix32",
+    "mix32_int",
+    "seed_key",
+    "seeded_exponentials",
+]
+
 GREEDY_TEMPERATURE = 1e-5
-_MASK32 = 0xFFFFFFFF
-# Odd multipliers below 2**31: products of a 32-bit value stay below 2**63, so the int64
-# arithmetic never overflows and CPU and GPU agree bit for bit.
-_MUL_A = 0x7FEB352D
-_MUL_B = 0x2C1B3C6D
-_VOCAB_SALT = 0x5BD1E995
+# A row with top-k of at most this many is drawn from its CANDIDATES largest scores. The
+# width is fixed, not the batch's largest top-k, so a row's arithmetic (its softmax and
+# cumulative sums over these entries) does not depend on the other rows.
+CANDIDATES = 128
+# top_p of 1 (off) in a row beside top-p rows: a cumulative mass rounded past 1.0 must not
+# cut that row's last tokens.
+_TOP_P_OFF = 2.0
 
 
 def is_greedy(params: SamplingParams) -> bool:
@@ -49,40 +75,24 @@ def has_penalties(params: SamplingParams) -> bool:
     )
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xorshift-multiply) on int64 tensors holding [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = (x * _MUL_A) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * _MUL_B) & _MASK32
-    return x ^ (x >> 16)
+@dataclass
+class RowGroup:
+    """Sampled rows of a batch that take the same path, their settings as device tensors."""
 
-
-def mix32_int(x: int) -> int:
-    """``mix32`` of one Python int."""
-    x &= _MASK32
-    x ^= x >> 16
-    x = (x * _MUL_A) & _MASK32
-    x ^= x >> 15
-    x = (x * _MUL_B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def seed_key(seed: int) -> int:
-    """A 64-bit (or negative) request seed folded into a 32-bit key."""
-    seed &= (1 << 64) - 1
-    return mix32_int(mix32_int(seed) ^ (seed >> 32))
-
-
-def seeded_exponentials(
-    keys: torch.Tensor, positions: torch.Tensor, vocab_salt: torch.Tensor
-) -> torch.Tensor:
-    """``Exp(1)`` noise ``[len(keys), vocab]``, a pure function of (key, position, index)."""
-    row = mix32(keys ^ mix32(positions & _MASK32)).unsqueeze(1)
-    bits = mix32(row ^ vocab_salt.unsqueeze(0))
-    # 24 bits -> a float32 uniform strictly inside (0, 1).
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(uniform)
+    candidates: bool  # the candidate path (every row has 0 < top_k <= CANDIDATES)
+    rows: torch.Tensor | None  # [n] rows of the batch; None: every row, in order
+    num_rows: int
+    temperatures: torch.Tensor  # [n, 1]
+    top_k: torch.Tensor | None  # [n, 1] int64, 0 where off; None when no row uses it
+    max_top_k: int
+    top_p: torch.Tensor | None  # [n, 1]; None when no row uses it
+    min_p: torch.Tensor | None  # [n, 1]; None when no row uses it
+    seeded: torch.Tensor | None  # [ns] the seeded rows, as indices into the group
+    seeded_batch_rows: torch.Tensor | None  # [ns] the same rows, as rows of the batch
+    seed_keys: torch.Tensor | None  # [ns] int64 32-bit keys
+    num_seeded: int
+    shared: torch.Tensor | None  # [nu] rows without a seed, as indices into the group
+    num_shared: int
 
 
 @dataclass
@@ -91,22 +101,54 @@ class SamplingBatch:
 
     params: list[SamplingParams]
     all_greedy: bool
-    greedy: torch.Tensor | None  # [N] bool
-    temperatures: torch.Tensor | None  # [N, 1]
-    top_k: torch.Tensor | None  # [N, 1] int64, 0 where off; None when no row uses it
-    max_top_k: int
-    top_p: torch.Tensor | None  # [N, 1]; None when no row uses it
-    min_p: torch.Tensor | None  # [N, 1]; None when no row uses it
-    seeded_rows: torch.Tensor | None  # [Ns] rows with a seed (and not greedy)
-    seed_keys: torch.Tensor | None  # [Ns] int64 32-bit keys
-    num_seeded: int
-    shared_rows: torch.Tensor | None  # [Nu] non-greedy rows without a seed
-    num_shared: int
+    greedy: torch.Tensor | None  # [N] bool; None when no row is greedy
+    groups: list[RowGroup]
     penalised_rows: list[int]
 
     @property
     def num_rows(self) -> int:
         return len(self.params)
+
+
+def _group_arrays(
+    rows: list[int], params: list[SamplingParams], top_ks: list[int]
+) -> list[np.ndarray]:
+    top_ps = [min(max(params[i].top_p, 0.0), 1.0) for i in rows]
+    seeded = [j for j, i in enumerate(rows) if params[i].seed is not None]
+    return [
+        np.asarray(rows, dtype=np.int64),
+        np.asarray([params[i].temperature for i in rows], dtype=np.float32),
+        np.asarray([top_ks[i] for i in rows], dtype=np.int64),
+        np.asarray([p if p < 1.0 else _TOP_P_OFF for p in top_ps], dtype=np.float32),
+        np.asarray([max(params[i].min_p, 0.0) for i in rows], dtype=np.float32),
+        np.asarray(seeded, dtype=np.int64),
+        np.asarray([rows[j] for j in seeded], dtype=np.int64),
+        np.asarray([seed_key(params[rows[j]].seed) for j in seeded], dtype=np.int64),
+        np.asarray([j for j, i in enumerate(rows) if params[i].seed is None], dtype=np.int64),
+    ]
+
+
+def _group(
+    candidates: bool, arrays: list[np.ndarray], tensors: list[torch.Tensor], whole: bool
+) -> RowGroup:
+    rows, temps, ks, ps, mps, seeded, seeded_rows, keys, shared = tensors
+    num_seeded, num_shared = len(arrays[5]), len(arrays[8])
+    return RowGroup(
+        candidates=candidates,
+        rows=None if whole else rows,
+        num_rows=len(arrays[0]),
+        temperatures=temps.unsqueeze(1),
+        top_k=ks.unsqueeze(1) if arrays[2].any() else None,
+        max_top_k=int(arrays[2].max()),
+        top_p=ps.unsqueeze(1) if (arrays[3] < 1.0).any() else None,
+        min_p=mps.unsqueeze(1) if (arrays[4] > 0.0).any() else None,
+        seeded=seeded if num_seeded else None,
+        seeded_batch_rows=seeded_rows if num_seeded else None,
+        seed_keys=keys if num_seeded else None,
+        num_seeded=num_seeded,
+        shared=shared if num_shared else None,
+        num_shared=num_shared,
+    )
 
 
 class Sampler:
@@ -124,8 +166,7 @@ class Sampler:
 
     def _salt(self, vocab: int) -> torch.Tensor:
         if self._vocab_salt is None or self._vocab_salt.numel() != vocab:
-            index = torch.arange(vocab, dtype=torch.int64, device=self.device)
-            self._vocab_salt = mix32(index ^ _VOCAB_SALT)
+            self._vocab_salt = vocab_salt(vocab, self.device)
         return self._vocab_salt
 
     def prepare(self, params: list[SamplingParams], vocab_size: int) -> SamplingBatch:
@@ -134,70 +175,122 @@ class Sampler:
         greedy = [is_greedy(p) for p in params]
         penalised = [i for i, p in enumerate(params) if has_penalties(p)]
         if all(greedy):
-            return SamplingBatch(
-                params, True, None, None, None, 0, None, None, None, None, 0, None, 0, penalised
-            )
+            return SamplingBatch(params, True, None, [], penalised)
         # 0: off. Greedy rows never use their filters.
         top_ks = [
             p.top_k if 0 < p.top_k < vocab_size and not g else 0 for p, g in zip(params, greedy)
         ]
-        top_ps = [min(max(p.top_p, 0.0), 1.0) for p in params]
-        min_ps = [max(p.min_p, 0.0) for p in params]
-        seeded = [i for i, p in enumerate(params) if not greedy[i] and p.seed is not None]
-        shared = [i for i, p in enumerate(params) if not greedy[i] and p.seed is None]
-        arrays = [
-            np.asarray(greedy, dtype=np.bool_),
-            np.asarray([1.0 if g else p.temperature for p, g in zip(params, greedy)], np.float32),
-            np.asarray(top_ks, dtype=np.int64),
-            np.asarray(top_ps, dtype=np.float32),
-            np.asarray(min_ps, dtype=np.float32),
-            np.asarray(seeded, dtype=np.int64),
-            np.asarray([seed_key(params[i].seed) for i in seeded], dtype=np.int64),
-            np.asarray(shared, dtype=np.int64),
-        ]
-        g, temps, ks, ps, mps, seeded_rows, keys, shared_rows = self.uploader.upload(
-            arrays, persistent=True
-        )
-        return SamplingBatch(
-            params=params,
-            all_greedy=False,
-            greedy=g,
-            temperatures=temps.unsqueeze(1),
-            top_k=ks.unsqueeze(1) if any(top_ks) else None,
-            max_top_k=max(top_ks),
-            top_p=ps.unsqueeze(1) if any(p < 1.0 for p in top_ps) else None,
-            min_p=mps.unsqueeze(1) if any(m > 0.0 for m in min_ps) else None,
-            seeded_rows=seeded_rows if seeded else None,
-            seed_keys=keys if seeded else None,
-            num_seeded=len(seeded),
-            shared_rows=shared_rows if shared else None,
-            num_shared=len(shared),
-            penalised_rows=penalised,
-        )
+        width = min(CANDIDATES, vocab_size)
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        paths = {
+            True: [i for i in sampled if 0 < top_ks[i] <= width],
+            False: [i for i in sampled if not 0 < top_ks[i] <= width],
+        }
+        arrays: list[np.ndarray] = []
+        if any(greedy):
+            arrays.append(np.asarray(greedy, dtype=np.bool_))
+        per_group = {path: _group_arrays(rows, params, top_ks) for path, rows in paths.items()}
+        for path, rows in paths.items():
+            if rows:
+                arrays += per_group[path]
+        tensors = self.uploader.upload(arrays, persistent=True)
+        greedy_mask = tensors.pop(0) if any(greedy) else None
+        groups = []
+        for path, rows in paths.items():
+            if rows:
+                group_tensors, tensors = tensors[:9], tensors[9:]
+                whole = len(rows) == len(params)
+                groups.append(_group(path, per_group[path], group_tensors, whole))
+        return SamplingBatch(params, False, greedy_mask, groups, penalised)
 
-    def _filter(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _noise(
+        self, shape: tuple[int, int], group: RowGroup, positions: torch.Tensor | None, salt
+    ) -> torch.Tensor:
+        """``Exp(1)`` noise for the group's rows; ``salt`` gives the seeded rows' vocabulary
+        salts (``[vocab]``, or a callable of the seeded rows' indices into the group)."""
+        seeded = None
+        if group.num_seeded:
+            if positions is None:
+                raise ValueError("seeded rows need the positions of the tokens they draw")
+            row_positions = positions.to(self.device).index_select(0, group.seeded_batch_rows)
+            seeded = seeded_exponentials(group.seed_keys, row_positions, salt(group.seeded))
+            if group.num_seeded == group.num_rows:
+                return seeded
+        noise = torch.empty(shape, dtype=torch.float32, device=self.device)
+        if group.num_shared:
+            if group.num_shared == group.num_rows:
+                noise.exponential_(generator=self.shared_generator)
+            else:
+                shared = torch.empty(
+                    (group.num_shared, shape[1]), dtype=torch.float32, device=self.device
+                ).exponential_(generator=self.shared_generator)
+                noise.index_copy_(0, group.shared, shared)
+            # A zero draw would turn a masked (zero-probability) entry into 0/0.
+            noise.clamp_min_(torch.finfo(torch.float32).tiny)
+        if seeded is not None:
+            noise.index_copy_(0, group.seeded, seeded)
+        return noise
+
+    def _draw_full(
+        self, scores: torch.Tensor, group: RowGroup, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Tokens drawn over the whole vocabulary of each row."""
+        probs = self._filter(scores, group).softmax(dim=-1)
+        salt = self._salt(scores.shape[1])
+        noise = self._noise(tuple(probs.shape), group, positions, lambda _: salt)
+        return kernels.argmax_rows(probs.div_(noise))
+
+    def _draw_candidates(
+        self, scores: torch.Tensor, group: RowGroup, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Tokens drawn over each row's ``CANDIDATES`` largest scores (every row of the group
+        has a top-k of at most that many, so nothing outside them can be drawn)."""
+        assert group.top_k is not None
+        values, ids = scores.topk(min(CANDIDATES, scores.shape[1]), dim=-1)  # descending
+        ranks = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
+        values = values.masked_fill(ranks >= group.top_k, float("-inf"))
+        if group.top_p is not None:
+            probs = values.softmax(dim=-1)
+            # Mass strictly before each token; the most likely token always stays.
+            mass_before = probs.cumsum(dim=-1) - probs
+            values = values.masked_fill(mass_before > group.top_p, float("-inf"))
+        if group.min_p is not None:
+            probs = values.softmax(dim=-1)
+            threshold = group.min_p * probs.amax(dim=-1, keepdim=True)
+            values = values.masked_fill(probs < threshold, float("-inf"))
+        probs = values.softmax(dim=-1)
+        salt = self._salt(scores.shape[1])
+        noise = self._noise(
+            tuple(probs.shape), group, positions, lambda seeded: salt[ids.index_select(0, seeded)]
+        )
+        # torch's argmax, not kernels.argmax_rows: at this width the Triton kernel would
+        # compile a variant of its own at the first such request.
+        choice = probs.div_(noise).argmax(dim=-1, keepdim=True)
+        return ids.gather(1, choice).squeeze(1)
+
+    def _filter(self, logits: torch.Tensor, group: RowGroup) -> torch.Tensor:
         """Set the logits of tokens outside top-k / top-p / min-p to -inf."""
-        if batch.top_p is not None:
+        if group.top_p is not None:
             sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-            if batch.top_k is not None:
+            if group.top_k is not None:
                 ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
-                cut = (ranks >= batch.top_k) & (batch.top_k > 0)
+                cut = (ranks >= group.top_k) & (group.top_k > 0)
                 sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
             probs = sorted_logits.softmax(dim=-1)
             # Mass strictly before each token; the most likely token always stays.
             mass_before = probs.cumsum(dim=-1) - probs
-            sorted_logits = sorted_logits.masked_fill(mass_before > batch.top_p, float("-inf"))
+            sorted_logits = sorted_logits.masked_fill(mass_before > group.top_p, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
-        elif batch.top_k is not None:
+        elif group.top_k is not None:
             # No full sort: the k-th largest value of each row is its cut; rows without
             # top-k cut at -inf, which keeps everything.
-            top = logits.topk(batch.max_top_k, dim=-1).values
-            kth = top.gather(1, batch.top_k.clamp(min=1) - 1)
-            kth = torch.where(batch.top_k > 0, kth, float("-inf"))
+            top = logits.topk(group.max_top_k, dim=-1).values
+            kth = top.gather(1, group.top_k.clamp(min=1) - 1)
+            kth = torch.where(group.top_k > 0, kth, float("-inf"))
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        if batch.min_p is not None:
+        if group.min_p is not None:
             probs = logits.softmax(dim=-1)
-            threshold = batch.min_p * probs.max(dim=-1, keepdim=True).values
+            threshold = group.min_p * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         return logits
 
@@ -261,28 +354,20 @@ class Sampler:
             if histories is None:
                 raise ValueError("rows with penalties need their token histories")
             logits = self._apply_penalties(logits, batch.params, histories)
-        if greedy_tokens is None:
-            greedy_tokens = kernels.argmax_rows(logits)
-        if batch.all_greedy:
-            return greedy_tokens
-        assert batch.temperatures is not None and batch.greedy is not None
-        probs = self._filter(logits / batch.temperatures, batch).softmax(dim=-1)
-        noise = torch.ones_like(probs)
-        if batch.num_shared:
-            shared = torch.empty(
-                (batch.num_shared, probs.shape[1]), dtype=probs.dtype, device=probs.device
-            ).exponential_(generator=self.shared_generator)
-            noise.index_copy_(0, batch.shared_rows, shared)
-        if batch.num_seeded:
-            if positions is None:
-                raise ValueError("seeded rows need the positions of the tokens they draw")
-            seeded = seeded_exponentials(
-                batch.seed_keys,
-                positions.to(probs.device).index_select(0, batch.seeded_rows),
-                self._salt(probs.shape[1]),
-            )
-            noise.index_copy_(0, batch.seeded_rows, seeded)
-        # Clamp so a zero draw cannot turn a masked (zero-probability) entry into 0/0.
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        sampled = kernels.argmax_rows(probs.div(noise))
-        return torch.where(batch.greedy, greedy_tokens, sampled)
+        if batch.greedy is not None or batch.all_greedy:
+            if greedy_tokens is None:
+                greedy_tokens = kernels.argmax_rows(logits)
+            if batch.all_greedy:
+                return greedy_tokens
+            tokens = greedy_tokens.clone()
+        else:
+            tokens = torch.empty(len(batch.params), dtype=torch.int64, device=logits.device)
+        for group in batch.groups:
+            rows_logits = logits if group.rows is None else logits.index_select(0, group.rows)
+            scores = rows_logits / group.temperatures
+            draw = self._draw_candidates if group.candidates else self._draw_full
+            drawn = draw(scores, group, positions)
+            if group.rows is None:
+                return drawn  # the one group, and every row of the batch
+            tokens.index_copy_(0, group.rows, drawn)
+        return tokens

@@ -1,0 +1,65 @@
+"""Counter-based ``Exp(1)`` noise for seeded sampling.
+
+A seeded row's noise is a pure function of (seed, position of the token being drawn,
+vocabulary index): its tokens then depend on nothing else, not on the other rows of the
+batch, nor on how many steps ran before, and they repeat exactly when a preempted request
+is recomputed. The hash is integer arithmetic on int64 tensors, so CPU and GPU give the
+same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31: products of a 32-bit value stay below 2**63, so the int64
+# arithmetic never overflows and CPU and GPU agree bit for bit.
+_MUL_A = 0x7FEB352D
+_MUL_B = 0x2C1B3C6D
+VOCAB_SALT = 0x5BD1E995
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply) on int64 tensors holding [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL_A) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MUL_B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def mix32_int(x: int) -> int:
+    """``mix32`` of one Python int."""
+    x &= _MASK32
+    x ^= x >> 16
+    x = (x * _MUL_A) & _MASK32
+    x ^= x >> 15
+    x = (x * _MUL_B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """A 64-bit (or negative) request seed folded into a 32-bit key."""
+    seed &= (1 << 64) - 1
+    return mix32_int(mix32_int(seed) ^ (seed >> 32))
+
+
+def vocab_salt(vocab: int, device: torch.device) -> torch.Tensor:
+    """``[vocab]`` int64: each vocabulary index's share of the hash."""
+    index = torch.arange(vocab, dtype=torch.int64, device=device)
+    return mix32(index ^ VOCAB_SALT)
+
+
+def seeded_exponentials(
+    keys: torch.Tensor, positions: torch.Tensor, salt: torch.Tensor
+) -> torch.Tensor:
+    """``Exp(1)`` noise, a pure function of (key, position, vocabulary index).
+
+    ``salt``: ``vocab_salt`` ``[vocab]`` for every entry of each row (the result is
+    ``[len(keys), vocab]``), or ``[len(keys), K]``, the salts of each row's own K
+    vocabulary indices (the same noise those entries get in the full row)."""
+    row = mix32(keys ^ mix32(positions & _MASK32)).unsqueeze(1)
+    bits = mix32(row ^ (salt.unsqueeze(0) if salt.dim() == 1 else salt))
+    # 24 bits -> a float32 uniform strictly inside (0, 1).
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(uniform)
