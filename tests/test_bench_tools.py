@@ -295,9 +295,11 @@ def test_bench_throughput_server_with_hf_baseline(micro_dir, tmp_path):
         "--output-len", "4",
         "--hf-baseline",
         "--hf-batches", "2",
+        "--sampling", "mixed",
         "--out", str(tmp_path),
     )  # fmt: skip
     payload = outputs(tmp_path, "throughput")
+    assert "mixed sampling" in payload["table"]
     assert_roofline_table(stdout, payload)
     assert payload["engine"] == "server"
     rows = {r["batch"]: r for r in payload["results"]}
@@ -323,6 +325,7 @@ def test_bench_throughput_inprocess(micro_dir, tmp_path):
         "--batches", "1,3",
         "--input-len", "8",
         "--output-len", "5",
+        "--sampling", "qwen3",
         "--profile-batches", "3",
         "--profile-steps", "3",
         "--profile-prefill",
@@ -331,6 +334,7 @@ def test_bench_throughput_inprocess(micro_dir, tmp_path):
     payload = outputs(tmp_path, "throughput")
     assert_roofline_table(stdout, payload)
     assert "in-process" in payload["measured_through"]
+    assert "qwen3 sampling" in payload["table"]
     for row in payload["results"]:
         assert row["output_tokens"] == row["batch"] * 5
         # The first token comes from the prefill; the other 4 from full-batch decode steps.
@@ -383,3 +387,38 @@ def test_free_ports_come_from_below_the_ephemeral_range():
         for port in range(base, base + count):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port))
+
+
+def test_bench_sampler(tmp_path):
+    stdout, _ = run_tool(
+        "bench_sampler",
+        "--device", "cpu",
+        "--vocab", "3000",
+        "--batches", "1,4",
+        "--calls", "2",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    payload = outputs(tmp_path, "sampler")
+    assert "x floor" in stdout
+    from tools.bench_sampler import PRESETS
+
+    assert {(r["preset"], r["batch"]) for r in payload["results"]} == {
+        (preset, batch) for preset in PRESETS for batch in (1, 4)
+    }
+    for row in payload["results"]:
+        assert row["ms"] > 0 and row["floor_ms"] > 0
+        assert row["times_floor"] == pytest.approx(row["ms"] / row["floor_ms"])
+
+
+def test_benchmark_requests_take_the_presets_sampling():
+    from tools.bench_inprocess import make_requests
+    from tools.bench_sampler import PRESETS
+
+    greedy = make_requests([[1, 2]] * 2, 4, "t")
+    assert [r.sampling.temperature for r in greedy] == [0.0, 0.0]
+    mixed = make_requests([[1, 2]] * 5, 4, "t", PRESETS["mixed"])
+    settings = PRESETS["mixed"]
+    for j, request in enumerate(mixed):
+        for field, value in settings[j % len(settings)].items():
+            assert getattr(request.sampling, field) == value
+        assert request.sampling.max_tokens == 4 and request.sampling.ignore_eos

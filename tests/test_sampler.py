@@ -167,10 +167,10 @@ def test_candidate_path_draws_what_the_whole_vocabulary_draws(monkeypatch):
     params = [SamplingParams(**{**vars(settings[i % 4]), "seed": 1000 + i}) for i in range(rows)]
     positions = list(range(40, 40 + rows))
     batch = _sampler().prepare(params, vocab)
-    assert [g.candidates for g in batch.groups] == [True]
+    assert [g.path for g in batch.groups] == ["candidates"]
     candidates = _sample(_sampler(), logits, params, positions)
     _full_path_only(monkeypatch)
-    assert [g.candidates for g in _sampler().prepare(params, vocab).groups] == [False]
+    assert [g.path for g in _sampler().prepare(params, vocab).groups] == ["filtered"]
     assert candidates.tolist() == _sample(_sampler(), logits, params, positions).tolist()
 
 
@@ -202,7 +202,7 @@ def test_each_row_takes_its_own_path_whatever_the_batch(monkeypatch):
         SamplingParams(temperature=1.0),
     ]
     batch = _sampler().prepare([*others[:2], seeded, *others[2:]], vocab)
-    assert sorted(g.candidates for g in batch.groups) == [False, True]
+    assert sorted(g.path for g in batch.groups) == ["candidates", "filtered", "race"]
     for position in range(10, 20):
         alone = _sample(_sampler(), row, [seeded], [position]).item()
         logits = torch.cat([crowd[:2], row, crowd[2:]])
@@ -243,7 +243,7 @@ def test_seeded_draw_depends_only_on_seed_and_position():
     assert len(set(alone)) > 5  # positions give different draws
 
     other = Sampler(torch.device("cpu"), seed=123)
-    for _ in range(3):  # advance the shared generator
+    for _ in range(3):  # advance the sampler's call count
         _sample(other, logits, [SamplingParams(temperature=1.0)])
     crowd = torch.randn(4, 1000, generator=torch.Generator().manual_seed(9))
     for position, expected in zip(range(20, 30), alone):
@@ -357,11 +357,12 @@ def test_cuda_sampler_matches_cpu():
             SamplingParams(temperature=1.0, top_k=20, seed=i),
             SamplingParams(temperature=1.0, top_p=0.8, min_p=0.05, seed=i),
             GREEDY,
-        ][i % 4]
+            SamplingParams(temperature=0.9),  # unseeded: the same call count on both
+        ][i % 5]
         for i in range(64)
     ]
     pos = list(range(100, 164))
     on_cpu = _sample(_sampler(), logits, params, pos)
     on_gpu = _sample(Sampler(cuda), logits.to(cuda), params, pos).cpu()
     assert (on_cpu == on_gpu).float().mean() >= 0.95  # float rounding may split near-ties
-    assert torch.equal(on_cpu[3::4], on_gpu[3::4])  # greedy rows exactly
+    assert torch.equal(on_cpu[3::5], on_gpu[3::5])  # greedy rows exactly

@@ -169,25 +169,29 @@ async def run_load(
     max_duration: float = math.inf,
     request_timeout: float = 600.0,
     on_done: Callable[[RequestResult], None] | None = None,
+    sampling: Sequence[dict[str, Any]] = (),
 ) -> tuple[list[RequestResult], float]:
     """Send every prompt, Poisson-spaced at ``request_rate`` (inf: all at once), at most
     ``concurrency`` in flight. Stops sending at ``max_duration`` and cancels what is still
-    running then. Returns the results and the wall time of the run."""
+    running then. Request ``i`` takes the fields of ``sampling[i % len(sampling)]`` (none:
+    greedy). Returns the results and the wall time of the run."""
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency) if concurrency else None
     connector = aiohttp.TCPConnector(limit=0)  # the semaphore bounds concurrency, not this
     timeout = aiohttp.ClientTimeout(total=request_timeout)
     results: list[RequestResult] = []
 
-    async def one(session: aiohttp.ClientSession, prompt: list[int], max_tokens: int) -> None:
+    async def one(
+        session: aiohttp.ClientSession, prompt: list[int], max_tokens: int, extra: Any
+    ) -> None:
         if limit is not None:
             async with limit:
                 result = await stream_completion(
-                    session, base_url, model, prompt, max_tokens, ignore_eos
+                    session, base_url, model, prompt, max_tokens, ignore_eos, extra
                 )
         else:
             result = await stream_completion(
-                session, base_url, model, prompt, max_tokens, ignore_eos
+                session, base_url, model, prompt, max_tokens, ignore_eos, extra
             )
         results.append(result)
         if on_done is not None:
@@ -196,10 +200,11 @@ async def run_load(
     started = time.perf_counter()
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         tasks = []
-        for prompt, max_tokens in zip(prompts, output_lens):
+        for i, (prompt, max_tokens) in enumerate(zip(prompts, output_lens)):
             if time.perf_counter() - started >= max_duration:
                 break
-            tasks.append(asyncio.ensure_future(one(session, prompt, max_tokens)))
+            extra = sampling[i % len(sampling)] if sampling else None
+            tasks.append(asyncio.ensure_future(one(session, prompt, max_tokens, extra)))
             if math.isfinite(request_rate) and request_rate > 0:
                 # Never past the time limit: the wait would extend the run beyond it.
                 left = max_duration - (time.perf_counter() - started)

@@ -9,6 +9,7 @@ import gc
 import statistics
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from tools.bench_client import clamp_vocab_range, random_token_prompts
@@ -122,13 +123,26 @@ class StepDriver:
         self.runner.execute(StepPlan(-1, [], b"", b"", b"", [], finished))
 
 
-def make_requests(prompts: list[list[int]], max_tokens: int, tag: str) -> list[Any]:
+def make_requests(
+    prompts: list[list[int]], max_tokens: int, tag: str, sampling: Sequence[dict[str, Any]] = ()
+) -> list[Any]:
+    """Requests of ``max_tokens`` each, ``ignore_eos``; request ``j`` takes the fields of
+    ``sampling[j % len(sampling)]`` (none: greedy)."""
     from pegainfer.protocol import SamplingParams, TokenizedRequest, pack_ids
 
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    settings = list(sampling) or [{"temperature": 0.0}]
     now = time.time()
     return [
-        TokenizedRequest(f"{tag}{len(prompts)}-{j}", pack_ids(prompt), sampling, now)
+        TokenizedRequest(
+            f"{tag}{len(prompts)}-{j}",
+            pack_ids(prompt),
+            SamplingParams(
+                **{"temperature": 0.0, **settings[j % len(settings)]},
+                max_tokens=max_tokens,
+                ignore_eos=True,
+            ),
+            now,
+        )
         for j, prompt in enumerate(prompts)
     ]
 
@@ -140,6 +154,7 @@ def run_inprocess_batch(
     output_len: int,
     tag: str = "",
     in_flight: int = 2,
+    sampling: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     """Serve ``prompts`` to completion with a fresh Scheduler driving ``runner``, with up to
     ``in_flight`` steps submitted ahead.
@@ -150,7 +165,8 @@ def run_inprocess_batch(
     from tools.bench_common import synchronize
 
     batch = len(prompts)
-    driver = StepDriver(runner, config, make_requests(prompts, output_len, tag), in_flight)
+    requests = make_requests(prompts, output_len, tag, sampling)
+    driver = StepDriver(runner, config, requests, in_flight)
     intervals: list[float] = []
     runner_times: list[float] = []
     first_token_s: list[float] = []
@@ -304,10 +320,13 @@ def sweep_inprocess(
     in_flight = 1 if args.no_overlap else 2
     warm = random_token_prompts([16], vocab, 99)
     run_inprocess_batch(runner, config, warm, 2, "warm-up ", in_flight)
+    sampling = getattr(args, "sampling_settings", ())
     rows = []
     for i, batch in enumerate(batches):
         prompts = random_token_prompts([args.input_len] * batch, vocab, args.seed + i)
-        rows.append(run_inprocess_batch(runner, config, prompts, args.output_len, "", in_flight))
+        rows.append(
+            run_inprocess_batch(runner, config, prompts, args.output_len, "", in_flight, sampling)
+        )
     if watch is not None:
         print(watch.summary(), flush=True)
     for batch in profile_batches:

@@ -24,6 +24,7 @@ import torch
 HIDDEN, INTERMEDIATE = 2560, 9728
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 BLOCK_SIZE = 16
+VOCAB = 151_936
 DTYPE = torch.bfloat16
 ELEM = 2
 
@@ -164,6 +165,27 @@ def cases(device: torch.device, quick: bool) -> list[tuple[str, Callable, Callab
                 lambda a=args: attention.paged_attention_ref(*a),
                 2 * context * NUM_KV_HEADS * HEAD_DIM * ELEM + 2 * q.numel() * ELEM,
                 4.0 * pairs * NUM_HEADS * HEAD_DIM,
+            )
+        )
+
+    from kernels import sampling_race
+
+    for batch in (1, 8, 64) if quick else (1, 8, 64, 256):
+        logits = torch.randn(batch, VOCAB, dtype=DTYPE, device=device) * 3
+        race_args = (
+            logits,
+            torch.full((batch,), 1.0 / 0.7, device=device),
+            torch.full((batch,), -1, dtype=torch.int64, device=device),
+            torch.arange(batch, device=device),
+            12345,
+        )
+        rows.append(
+            (
+                f"sampling race B={batch}",
+                lambda a=race_args: sampling_race.race_rows_triton(*a),
+                lambda a=race_args: sampling_race.race_rows_ref(*a),
+                logits.numel() * ELEM,
+                0.0,
             )
         )
     return rows

@@ -50,6 +50,7 @@ from tools.bench_model import (
     generation_roofline_s,
     load_model_shape,
 )
+from tools.bench_sampler import PRESETS as SAMPLING_PRESETS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-overlap", action="store_true", help="one step in flight (both engines)")
     p.add_argument("--server-args", default="", help="extra pegainfer arguments (server)")
+    p.add_argument(
+        "--sampling",
+        choices=list(SAMPLING_PRESETS),
+        default="greedy",
+        help="the requests' sampling settings (tools/bench_sampler.py's presets; qwen3: "
+        "temperature 0.6, top-p 0.95, top-k 20)",
+    )
     p.add_argument(
         "--profile-batches",
         type=parse_int_list,
@@ -163,6 +171,7 @@ def _run_batch(
                 max_duration=args.timeout,
                 request_timeout=args.timeout,
                 on_done=lambda _: bar.update(1),
+                sampling=args.sampling_settings,
             )
         )
     finally:
@@ -240,6 +249,7 @@ def add_rooflines(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    args.sampling_settings = SAMPLING_PRESETS[args.sampling]
     batches = parse_int_list(args.batches)
     hf_batches = parse_int_list(args.hf_batches)
     if args.profile_batches and (
@@ -267,7 +277,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     title = (
         f"offline throughput through {how}: {args.input_len} in, {args.output_len} out, "
-        f"ignore_eos, {shape.architecture}, {roof.dtype}, {roof.device}"
+        f"ignore_eos, {args.sampling} sampling, {shape.architecture}, {roof.dtype}, "
+        f"{roof.device}"
     )
     text = print_table(
         title,

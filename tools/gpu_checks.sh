@@ -48,7 +48,7 @@ tests)
     tests/test_kernels_attention_merge.py \
     tests/test_kernels_linear.py tests/test_kernels_linear_fused.py tests/test_prefill_work.py \
     tests/test_kernels_skinny_gemm.py tests/test_kernels_linear_norm.py \
-    tests/test_kernels_argmax.py tests/test_kernels_embedding.py \
+    tests/test_kernels_argmax.py tests/test_kernels_sampling_race.py tests/test_kernels_embedding.py \
     tests/test_kernels_decode_inputs.py tests/test_cuda_graphs.py tests/test_compile_ahead.py \
     tests/test_overlap.py tests/test_sampler.py tests/test_worker_logprobs.py \
     tests/test_step_profile.py tests/test_prefill_profile.py tests/test_pdl.py \
@@ -59,12 +59,15 @@ bench)
   step bench_latency python3 -m tools.bench_latency --model-path "$ckpt" --out "$out/latency" \
     --contexts 128,1024,4096,16384 --profile
   step bench_kernels python3 -m tools.bench_kernels --out "$out/kernels"
+  step bench_sampler python3 -m tools.bench_sampler --out "$out/sampler"
   step tune_linear python3 -m tools.tune_linear --defaults-only --out "$out/linear"
   step bench_throughput python3 -m tools.bench_throughput --model-path "$ckpt" \
     --out "$out/throughput" --hf-baseline
   step bench_throughput_inprocess python3 -m tools.bench_throughput --model-path "$ckpt" \
     --engine inprocess --profile-batches 8,32,64 --profile-prefill \
     --out "$out/throughput_inprocess"
+  step bench_throughput_sampled python3 -m tools.bench_throughput --model-path "$ckpt" \
+    --engine inprocess --batches 1,8,64,256 --sampling qwen3 --out "$out/throughput_sampled"
   step bench_prefix_cache python3 -m tools.bench_prefix_cache --model-path "$ckpt" \
     --out "$out/prefix_cache" --lengths 1024,4096,16384
   ;;

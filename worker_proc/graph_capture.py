@@ -23,6 +23,7 @@ from torch import nn
 import kernels
 from kernels.compile_ahead import CompileAheadReport, compile_for, fingerprint
 from kernels.host_copy import copy_pinned, tokens_out
+from kernels.sampling_race import race_rows
 from pegainfer.config import EngineConfig
 from pegainfer.startup_timeline import StartupTimeline
 from worker_proc.cuda_graphs import DecodeGraphs, GraphBackend, Replay, capture_sizes
@@ -158,9 +159,14 @@ def compile_graph_kernels(
     block count (only on its strides, which do not depend on it)."""
 
     def outside_graphs() -> None:
-        # The sampler's argmax over float32 rows, which no graph takes, and every step's
-        # upload and token readback (kernels/host_copy.py): one variant each.
+        # The sampler's kernels, which no graph takes: the argmax of penalised (float32)
+        # rows, and the race over the model's logits and over filtered float32 scores; and
+        # every step's upload and token readback (kernels/host_copy.py): one variant each.
         kernels.argmax_rows(torch.empty((1, vocab_size), dtype=torch.float32, device=device))
+        row = torch.zeros(1, dtype=torch.int64, device=device)
+        for values_dtype in dict.fromkeys((dtype, torch.float32)):
+            values = torch.zeros((1, vocab_size), dtype=values_dtype, device=device)
+            race_rows(values, torch.ones(1, device=device), row, row, 0)
         words = torch.empty(64, dtype=torch.int32, device=device)
         copy_pinned(words, torch.empty(64, dtype=torch.int32, pin_memory=True))
         tokens = torch.zeros(2, dtype=torch.int64, device=device)

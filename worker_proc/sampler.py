@@ -2,23 +2,26 @@
 
 Per row: repetition, presence and frequency penalties first (they apply to greedy rows
 too); then temperature below ``GREEDY_TEMPERATURE`` means greedy argmax; otherwise the logits
-are divided by the temperature, filtered by top-k, top-p and min-p (in that order, each on
-what the previous one left), and one token is drawn.
+are scaled by the inverse temperature, filtered by top-k, top-p and min-p (in that order,
+each on what the previous one left), and one token is drawn.
 
 Per-row settings become device tensors once per batch composition (``prepare``), not once
 per step: a decode batch keeps its composition for many steps. ``sample`` then issues only
 device work; the caller copies the tokens back once, asynchronously.
 
-Drawing uses the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` per vocabulary
-entry samples exactly from ``p``. Unseeded rows draw ``E`` from one shared generator; a
-seeded row's ``E`` is a counter-based hash of (seed, position, vocabulary index)
-(worker_proc/sampling_noise.py).
+A draw is the Gumbel-max race: ``argmax(s_i - log E_i)`` over the row's scores ``s`` (cut
+tokens at -inf), with ``E_i ~ Exp(1)``, samples exactly from ``softmax(s)``. ``E`` is a
+counter-based hash of (key, position, vocabulary index) (worker_proc/sampling_noise.py): a
+seeded row's key comes from its seed, an unseeded row's from the sampler's call count, so
+no generator state lives on the device.
 
-Rows whose top-k is at most ``CANDIDATES`` (Qwen3's recommended 20, say) take the candidate
-path: one ``topk`` finds each row's ``CANDIDATES`` largest scores, and the top-k, top-p and
-min-p cuts and the draw run over those alone. Every other sampled row runs over its whole
-vocabulary, sorting it only for top-p. Which path a row takes depends on its own settings
-only, so a seeded row draws the same token whatever batch it is in.
+Three paths, each row's set by its own settings (so a seeded row draws the same token
+whatever batch it is in):
+- no filter (temperature alone, the API's default): one pass over the row, the race kernel
+  (kernels/sampling_race.py), which makes the noise as it reads;
+- top-k of at most ``CANDIDATES`` (Qwen3's recommended 20, say): one ``topk`` finds the
+  row's ``CANDIDATES`` largest scores, and the cuts and the draw run over those alone;
+- any other filter: over the whole row in torch (a sort only for top-p), then the race.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ import numpy as np
 import torch
 
 import kernels
+from kernels.sampling_race import race_rows
 from pegainfer.protocol import SamplingParams
 from worker_proc.sampling_noise import (
+    effective_keys,
     mix32,
     mix32_int,
     seed_key,
@@ -61,6 +66,7 @@ CANDIDATES = 128
 # top_p of 1 (off) in a row beside top-p rows: a cumulative mass rounded past 1.0 must not
 # cut that row's last tokens.
 _TOP_P_OFF = 2.0
+_NO_SEED = -1
 
 
 def is_greedy(params: SamplingParams) -> bool:
@@ -75,24 +81,22 @@ def has_penalties(params: SamplingParams) -> bool:
     )
 
 
+def has_filters(params: SamplingParams, vocab_size: int) -> bool:
+    return 0 < params.top_k < vocab_size or params.top_p < 1.0 or params.min_p > 0.0
+
+
 @dataclass
 class RowGroup:
     """Sampled rows of a batch that take the same path, their settings as device tensors."""
 
-    candidates: bool  # the candidate path (every row has 0 < top_k <= CANDIDATES)
+    path: str  # "race" (no filter), "candidates" or "filtered"
     rows: torch.Tensor | None  # [n] rows of the batch; None: every row, in order
-    num_rows: int
-    temperatures: torch.Tensor  # [n, 1]
+    inv_temperatures: torch.Tensor  # [n] float32
+    keys: torch.Tensor  # [n] int64: the seed's 32-bit key, or -1
     top_k: torch.Tensor | None  # [n, 1] int64, 0 where off; None when no row uses it
     max_top_k: int
     top_p: torch.Tensor | None  # [n, 1]; None when no row uses it
     min_p: torch.Tensor | None  # [n, 1]; None when no row uses it
-    seeded: torch.Tensor | None  # [ns] the seeded rows, as indices into the group
-    seeded_batch_rows: torch.Tensor | None  # [ns] the same rows, as rows of the batch
-    seed_keys: torch.Tensor | None  # [ns] int64 32-bit keys
-    num_seeded: int
-    shared: torch.Tensor | None  # [nu] rows without a seed, as indices into the group
-    num_shared: int
 
 
 @dataclass
@@ -114,40 +118,28 @@ def _group_arrays(
     rows: list[int], params: list[SamplingParams], top_ks: list[int]
 ) -> list[np.ndarray]:
     top_ps = [min(max(params[i].top_p, 0.0), 1.0) for i in rows]
-    seeded = [j for j, i in enumerate(rows) if params[i].seed is not None]
+    seeds = [params[i].seed for i in rows]
     return [
         np.asarray(rows, dtype=np.int64),
-        np.asarray([params[i].temperature for i in rows], dtype=np.float32),
+        1.0 / np.asarray([params[i].temperature for i in rows], dtype=np.float32),
+        np.asarray([_NO_SEED if s is None else seed_key(s) for s in seeds], dtype=np.int64),
         np.asarray([top_ks[i] for i in rows], dtype=np.int64),
         np.asarray([p if p < 1.0 else _TOP_P_OFF for p in top_ps], dtype=np.float32),
         np.asarray([max(params[i].min_p, 0.0) for i in rows], dtype=np.float32),
-        np.asarray(seeded, dtype=np.int64),
-        np.asarray([rows[j] for j in seeded], dtype=np.int64),
-        np.asarray([seed_key(params[rows[j]].seed) for j in seeded], dtype=np.int64),
-        np.asarray([j for j, i in enumerate(rows) if params[i].seed is None], dtype=np.int64),
     ]
 
 
-def _group(
-    candidates: bool, arrays: list[np.ndarray], tensors: list[torch.Tensor], whole: bool
-) -> RowGroup:
-    rows, temps, ks, ps, mps, seeded, seeded_rows, keys, shared = tensors
-    num_seeded, num_shared = len(arrays[5]), len(arrays[8])
+def _group(path: str, arrays: list[np.ndarray], tensors: list[torch.Tensor], whole: bool):
+    rows, inv_temps, keys, ks, ps, mps = tensors
     return RowGroup(
-        candidates=candidates,
+        path=path,
         rows=None if whole else rows,
-        num_rows=len(arrays[0]),
-        temperatures=temps.unsqueeze(1),
-        top_k=ks.unsqueeze(1) if arrays[2].any() else None,
-        max_top_k=int(arrays[2].max()),
-        top_p=ps.unsqueeze(1) if (arrays[3] < 1.0).any() else None,
-        min_p=mps.unsqueeze(1) if (arrays[4] > 0.0).any() else None,
-        seeded=seeded if num_seeded else None,
-        seeded_batch_rows=seeded_rows if num_seeded else None,
-        seed_keys=keys if num_seeded else None,
-        num_seeded=num_seeded,
-        shared=shared if num_shared else None,
-        num_shared=num_shared,
+        inv_temperatures=inv_temps,
+        keys=keys,
+        top_k=ks.unsqueeze(1) if arrays[3].any() else None,
+        max_top_k=int(arrays[3].max()),
+        top_p=ps.unsqueeze(1) if (arrays[4] < 1.0).any() else None,
+        min_p=mps.unsqueeze(1) if (arrays[5] > 0.0).any() else None,
     )
 
 
@@ -155,14 +147,19 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, uploader: Uploader | None = None):
         self.device = device
         self.seed = seed
-        self.shared_generator = torch.Generator(device=device)
-        self.shared_generator.manual_seed(seed)
+        self._seed_key = seed_key(seed)
+        self._calls = 0
         self.uploader = uploader or Uploader(device, ring_size=2)
         self._vocab_salt: torch.Tensor | None = None
 
     def reseed(self) -> None:
-        """Start the unseeded rows' generator over, as at construction."""
-        self.shared_generator.manual_seed(self.seed)
+        """Draw the unseeded rows' noise as from a fresh sampler."""
+        self._calls = 0
+
+    def _call_key(self) -> int:
+        """This call's key for the unseeded rows, below 2**31 (kernels/sampling_race.py)."""
+        self._calls += 1
+        return mix32_int(self._seed_key ^ mix32_int(self._calls)) & 0x7FFFFFFF
 
     def _salt(self, vocab: int) -> torch.Tensor:
         if self._vocab_salt is None or self._vocab_salt.numel() != vocab:
@@ -182,70 +179,50 @@ class Sampler:
         ]
         width = min(CANDIDATES, vocab_size)
         sampled = [i for i, g in enumerate(greedy) if not g]
+        filtered = [i for i in sampled if has_filters(params[i], vocab_size)]
         paths = {
-            True: [i for i in sampled if 0 < top_ks[i] <= width],
-            False: [i for i in sampled if not 0 < top_ks[i] <= width],
+            "race": [i for i in sampled if i not in set(filtered)],
+            "candidates": [i for i in filtered if 0 < top_ks[i] <= width],
+            "filtered": [i for i in filtered if not 0 < top_ks[i] <= width],
         }
+        paths = {path: rows for path, rows in paths.items() if rows}
         arrays: list[np.ndarray] = []
         if any(greedy):
             arrays.append(np.asarray(greedy, dtype=np.bool_))
         per_group = {path: _group_arrays(rows, params, top_ks) for path, rows in paths.items()}
-        for path, rows in paths.items():
-            if rows:
-                arrays += per_group[path]
+        for group_arrays in per_group.values():
+            arrays += group_arrays
         tensors = self.uploader.upload(arrays, persistent=True)
         greedy_mask = tensors.pop(0) if any(greedy) else None
         groups = []
         for path, rows in paths.items():
-            if rows:
-                group_tensors, tensors = tensors[:9], tensors[9:]
-                whole = len(rows) == len(params)
-                groups.append(_group(path, per_group[path], group_tensors, whole))
+            group_tensors, tensors = tensors[:6], tensors[6:]
+            whole = len(rows) == len(params)
+            groups.append(_group(path, per_group[path], group_tensors, whole))
         return SamplingBatch(params, False, greedy_mask, groups, penalised)
 
-    def _noise(
-        self, shape: tuple[int, int], group: RowGroup, positions: torch.Tensor | None, salt
+    def _race(
+        self, logits: torch.Tensor, group: RowGroup, positions: torch.Tensor, call_key: int
     ) -> torch.Tensor:
-        """``Exp(1)`` noise for the group's rows; ``salt`` gives the seeded rows' vocabulary
-        salts (``[vocab]``, or a callable of the seeded rows' indices into the group)."""
-        seeded = None
-        if group.num_seeded:
-            if positions is None:
-                raise ValueError("seeded rows need the positions of the tokens they draw")
-            row_positions = positions.to(self.device).index_select(0, group.seeded_batch_rows)
-            seeded = seeded_exponentials(group.seed_keys, row_positions, salt(group.seeded))
-            if group.num_seeded == group.num_rows:
-                return seeded
-        noise = torch.empty(shape, dtype=torch.float32, device=self.device)
-        if group.num_shared:
-            if group.num_shared == group.num_rows:
-                noise.exponential_(generator=self.shared_generator)
-            else:
-                shared = torch.empty(
-                    (group.num_shared, shape[1]), dtype=torch.float32, device=self.device
-                ).exponential_(generator=self.shared_generator)
-                noise.index_copy_(0, group.shared, shared)
-            # A zero draw would turn a masked (zero-probability) entry into 0/0.
-            noise.clamp_min_(torch.finfo(torch.float32).tiny)
-        if seeded is not None:
-            noise.index_copy_(0, group.seeded, seeded)
-        return noise
+        """Tokens drawn over the whole row, which no filter cuts: one pass over the logits
+        as they are (the model's dtype)."""
+        return race_rows(logits, group.inv_temperatures, group.keys, positions, call_key)
 
-    def _draw_full(
-        self, scores: torch.Tensor, group: RowGroup, positions: torch.Tensor | None
+    def _draw_filtered(
+        self, logits: torch.Tensor, group: RowGroup, positions: torch.Tensor, call_key: int
     ) -> torch.Tensor:
-        """Tokens drawn over the whole vocabulary of each row."""
-        probs = self._filter(scores, group).softmax(dim=-1)
-        salt = self._salt(scores.shape[1])
-        noise = self._noise(tuple(probs.shape), group, positions, lambda _: salt)
-        return kernels.argmax_rows(probs.div_(noise))
+        """Tokens drawn over the whole row after its filters."""
+        scores = self._filter(logits * group.inv_temperatures.unsqueeze(1), group)
+        ones = torch.ones_like(group.inv_temperatures)
+        return race_rows(scores, ones, group.keys, positions, call_key)
 
     def _draw_candidates(
-        self, scores: torch.Tensor, group: RowGroup, positions: torch.Tensor | None
+        self, logits: torch.Tensor, group: RowGroup, positions: torch.Tensor, call_key: int
     ) -> torch.Tensor:
         """Tokens drawn over each row's ``CANDIDATES`` largest scores (every row of the group
         has a top-k of at most that many, so nothing outside them can be drawn)."""
         assert group.top_k is not None
+        scores = logits * group.inv_temperatures.unsqueeze(1)
         values, ids = scores.topk(min(CANDIDATES, scores.shape[1]), dim=-1)  # descending
         ranks = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
         values = values.masked_fill(ranks >= group.top_k, float("-inf"))
@@ -258,14 +235,10 @@ class Sampler:
             probs = values.softmax(dim=-1)
             threshold = group.min_p * probs.amax(dim=-1, keepdim=True)
             values = values.masked_fill(probs < threshold, float("-inf"))
-        probs = values.softmax(dim=-1)
-        salt = self._salt(scores.shape[1])
-        noise = self._noise(
-            tuple(probs.shape), group, positions, lambda seeded: salt[ids.index_select(0, seeded)]
-        )
-        # torch's argmax, not kernels.argmax_rows: at this width the Triton kernel would
-        # compile a variant of its own at the first such request.
-        choice = probs.div_(noise).argmax(dim=-1, keepdim=True)
+        # The noise each candidate gets in the whole row: its own vocabulary index's.
+        salt = self._salt(scores.shape[1])[ids]
+        noise = seeded_exponentials(effective_keys(group.keys, call_key), positions, salt)
+        choice = (values - noise.log_()).argmax(dim=-1, keepdim=True)
         return ids.gather(1, choice).squeeze(1)
 
     def _filter(self, logits: torch.Tensor, group: RowGroup) -> torch.Tensor:
@@ -336,8 +309,8 @@ class Sampler:
         greedy_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``logits [N, vocab]`` (the model's dtype or float32) -> token ids ``[N]`` int64
-        on the device. A greedy batch takes the argmax of the logits as they are (a float32
-        copy holds the same values); any other is sampled in float32.
+        on the device. Greedy rows take the argmax of the logits as they are (a float32 copy
+        holds the same values); sampled rows are scored in float32.
 
         ``positions [N]`` int64 (device): the position of the token each row draws; needed
         when a row is seeded. ``histories`` gives each row's ``(token_ids,
@@ -346,28 +319,35 @@ class Sampler:
         takes it), used unless a penalty changes the logits.
         """
         if batch.penalised_rows:
-            greedy_tokens = None
-        if batch.all_greedy and not batch.penalised_rows:
-            return greedy_tokens if greedy_tokens is not None else kernels.argmax_rows(logits)
-        logits = logits.float()
-        if batch.penalised_rows:
             if histories is None:
                 raise ValueError("rows with penalties need their token histories")
-            logits = self._apply_penalties(logits, batch.params, histories)
+            logits = self._apply_penalties(logits.float(), batch.params, histories)
+            greedy_tokens = None
         if batch.greedy is not None or batch.all_greedy:
             if greedy_tokens is None:
                 greedy_tokens = kernels.argmax_rows(logits)
             if batch.all_greedy:
                 return greedy_tokens
-            tokens = greedy_tokens.clone()
-        else:
-            tokens = torch.empty(len(batch.params), dtype=torch.int64, device=logits.device)
+        if positions is None:
+            if any(p.seed is not None for p in batch.params):
+                raise ValueError("seeded rows need the positions of the tokens they draw")
+            positions = torch.zeros(len(batch.params), dtype=torch.int64, device=self.device)
+        positions = positions.to(self.device)
+        call_key = self._call_key()
+        tokens = greedy_tokens.clone() if greedy_tokens is not None else None
         for group in batch.groups:
             rows_logits = logits if group.rows is None else logits.index_select(0, group.rows)
-            scores = rows_logits / group.temperatures
-            draw = self._draw_candidates if group.candidates else self._draw_full
-            drawn = draw(scores, group, positions)
+            rows_positions = positions if group.rows is None else positions[group.rows]
+            draw = {
+                "race": self._race,
+                "candidates": self._draw_candidates,
+                "filtered": self._draw_filtered,
+            }[group.path]
+            drawn = draw(rows_logits, group, rows_positions, call_key)
             if group.rows is None:
                 return drawn  # the one group, and every row of the batch
+            if tokens is None:
+                tokens = torch.empty(len(batch.params), dtype=torch.int64, device=self.device)
             tokens.index_copy_(0, group.rows, drawn)
+        assert tokens is not None
         return tokens

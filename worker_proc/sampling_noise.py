@@ -1,10 +1,12 @@
-"""Counter-based ``Exp(1)`` noise for seeded sampling.
+"""Counter-based ``Exp(1)`` noise for sampling.
 
-A seeded row's noise is a pure function of (seed, position of the token being drawn,
-vocabulary index): its tokens then depend on nothing else, not on the other rows of the
-batch, nor on how many steps ran before, and they repeat exactly when a preempted request
-is recomputed. The hash is integer arithmetic on int64 tensors, so CPU and GPU give the
-same bits.
+A row's noise is a pure function of (key, position of the token being drawn, vocabulary
+index). A seeded request's key comes from its seed, so its tokens depend on nothing else:
+not on the other rows of the batch, nor on how many steps ran before, and they repeat
+exactly when a preempted request is recomputed. An unseeded row's key comes from the
+sampler's call count (``effective_keys``), so it draws afresh at every step. The hash is
+integer arithmetic on int64 tensors, so CPU and GPU give the same bits; the race kernel
+(kernels/sampling_race.py) computes the same hash in uint32.
 """
 
 from __future__ import annotations
@@ -42,6 +44,13 @@ def seed_key(seed: int) -> int:
     """A 64-bit (or negative) request seed folded into a 32-bit key."""
     seed &= (1 << 64) - 1
     return mix32_int(mix32_int(seed) ^ (seed >> 32))
+
+
+def effective_keys(keys: torch.Tensor, call_key: int) -> torch.Tensor:
+    """Each row's noise key: its seed's key, or where that is -1 (no seed) a key of the
+    sampler's call (``call_key``, below 2**31) and the row's index."""
+    index = torch.arange(keys.shape[0], dtype=torch.int64, device=keys.device)
+    return torch.where(keys >= 0, keys, mix32((index ^ call_key) & _MASK32))
 
 
 def vocab_salt(vocab: int, device: torch.device) -> torch.Tensor:

@@ -18,8 +18,8 @@ from 1,369 to 1,632 MB (Qwen3-4B shape, H200), past its 1.5 GB target; these two
 logprobs 27).
 
 They use KV blocks from 0 up: at start-up the scheduler holds none, and a sequence writes
-its blocks before it reads them. Every sequence is freed again, and the shared sampling
-generator is re-seeded, so the runner starts serving as if nothing had run.
+its blocks before it reads them. Every sequence is freed again, and the sampler's call count
+(the unseeded rows' noise) starts over, so the runner starts serving as if nothing had run.
 """
 
 from __future__ import annotations
