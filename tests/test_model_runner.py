@@ -230,24 +230,23 @@ def test_seeded_sampling_independent_of_batch_composition(checkpoint):
 # --------------------------------------------------------------------------- sampling
 
 
-def test_runner_hands_penalised_rows_their_history(runner, monkeypatch):
-    """Rows with penalties get their (prompt + generated tokens, num_prompt_tokens); a
-    preempted sequence's generated tokens count as output, not prompt."""
-    seen = []
-    original = runner.sampler.sample
-
-    def spy(logits, batch, positions=None, histories=None, **kwargs):
-        seen.append(None if histories is None else [(list(t), n) for t, n in histories])
-        return original(logits, batch, positions, histories, **kwargs)
-
-    monkeypatch.setattr(runner.sampler, "sample", spy)
+def test_runner_keeps_penalised_rows_token_counts(runner):
+    """A penalised sequence's row of the penalty table holds its prompt as seen and its
+    generated tokens as counts (a preempted sequence's earlier output among them), counts
+    each token the runner samples for it, and is released when the sequence finishes."""
+    table = runner.penalties
+    assert table is not None and table.rows_in_use == 0
     penalised = SamplingParams(temperature=0.0, frequency_penalty=0.5)
     resumed = NewSequence(1, pack_ids([5, 17, 300, 42, 9]), penalised, num_prompt_tokens=3)
     first = runner.execute(plan(0, [resumed], [1], [0], [5], [blocks(1, [0, 1])]))
+    row = runner.seqs[1].penalty_row
+    assert row >= 0 and table.rows_in_use == 1
     token = unpack_ids(first.token_ids)[0]
-    runner.execute(plan(1, [new_seq(2, [8, 8])], [1, 2], [5, 0], [1, 2], [blocks(2, [2])]))
-    assert seen[0] == [([5, 17, 300, 42, 9], 3)]
-    assert seen[1] == [([5, 17, 300, 42, 9, token], 3), ([8, 8], 2)]
-    # Without any penalised row no history is gathered.
-    runner.execute(plan(2, seq_ids=[2], num_computed=[2], num_scheduled=[1]))
-    assert seen[2] is None
+    second = runner.execute(plan(1, [new_seq(2, [8, 8])], [1, 2], [5, 0], [1, 2], [blocks(2, [2])]))
+    token2 = unpack_ids(second.token_ids)[0]  # sequence 1's, first in the batch
+    assert runner.seqs[2].penalty_row == -1  # no penalty: no row
+    assert table.prompt_seen[row].nonzero().flatten().tolist() == [5, 17, 300]
+    expected = torch.bincount(torch.tensor([42, 9, token, token2]), minlength=table.vocab_size)
+    assert torch.equal(table.counts[row].long(), expected)
+    runner.execute(plan(2, seq_ids=[2], num_computed=[2], num_scheduled=[1], finished=[1]))
+    assert table.rows_in_use == 0

@@ -167,12 +167,18 @@ def test_back_to_back_plans_feed_tokens_on_the_device(runner):
     runner.execute(_plan(92, finished=[1]))
 
 
-def test_penalised_rows_get_the_full_history_while_in_flight(runner):
+def test_penalised_rows_stay_in_flight(runner, monkeypatch):
+    """Penalties count the tokens still in flight on the device: two steps in flight give
+    the tokens of one, and the runner never waits for a step's tokens to apply them."""
     penalised = SamplingParams(temperature=0.0, frequency_penalty=2.0, max_tokens=12)
     requests = [("p", [7, 7, 7], penalised), ("g", [1, 2, 3, 4], GREEDY)]
     one, _, _ = drive(runner, requests, in_flight=1)
+    waits = []
+    original = runner._copy_back_all
+    monkeypatch.setattr(runner, "_copy_back_all", lambda: (waits.append(1), original())[1])
     two, _, _ = drive(runner, requests, in_flight=2)
     assert one == two and len(one["p"]) == 12
+    assert waits == []
     # A strong frequency penalty avoids repeats that plain greedy decoding makes.
     plain, _, _ = drive(
         runner, [("p", [7, 7, 7], SamplingParams(temperature=0.0, max_tokens=12))], 1

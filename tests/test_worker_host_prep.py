@@ -143,23 +143,34 @@ def test_the_host_step_microbenchmarks_run():
     assert host_step_summary(rows, 64) is None  # nothing measured at that batch
 
 
-def test_live_sequences_know_whether_any_has_penalties():
+def test_live_sequences_hold_a_penalty_row_while_penalised():
     from pegainfer.protocol import NewSequence, StepPlan, pack_ids
     from worker_proc.live_seqs import LiveSequences
+    from worker_proc.penalties import PenaltyTable
     from worker_proc.seq_slots import SlotTable
 
     device = torch.device("cpu")
-    live = LiveSequences(SlotTable(4, 4, device), Uploader(device), 100, 16, 4)
+    uploader = Uploader(device)
+    table = PenaltyTable(100, device, uploader)
+    live = LiveSequences(SlotTable(4, 4, device), uploader, 100, 16, 4, table)
     penalised = SamplingParams(repetition_penalty=1.2)
     live.apply_diffs(
         StepPlan(0, [NewSequence(1, pack_ids([5]), GREEDY, 1)], b"", b"", b"", [], b"")
     )
-    assert not live.any_penalised
+    assert live.seqs[1].penalty_row == -1 and table.rows_in_use == 0
     live.apply_diffs(
-        StepPlan(1, [NewSequence(2, pack_ids([5]), penalised, 1)], b"", b"", b"", [], b"")
+        StepPlan(1, [NewSequence(2, pack_ids([5, 6]), penalised, 1)], b"", b"", b"", [], b"")
     )
-    assert live.any_penalised
+    row = live.seqs[2].penalty_row
+    assert row >= 0 and table.rows_in_use == 1
+    assert table.prompt_seen[row, 5] and table.counts[row, 6] == 1
     live.apply_diffs(StepPlan(2, [], b"", b"", b"", [], pack_ids([1])))
-    assert live.any_penalised
+    assert table.rows_in_use == 1
     live.apply_diffs(StepPlan(3, [], b"", b"", b"", [], pack_ids([2])))
-    assert not live.any_penalised
+    assert table.rows_in_use == 0
+    # A rank that does not sample keeps no table.
+    other = LiveSequences(SlotTable(4, 4, device), uploader, 100, 16, 4)
+    other.apply_diffs(
+        StepPlan(0, [NewSequence(2, pack_ids([5]), penalised, 1)], b"", b"", b"", [], b"")
+    )
+    assert other.seqs[2].penalty_row == -1

@@ -19,6 +19,7 @@ up, which ``bench_throughput`` shows through its step times.
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 from typing import Any
@@ -38,6 +39,7 @@ from tools.bench_common import (
     synchronize,
 )
 
+HISTORY = 1024 + 128
 QWEN3 = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 PRESETS: dict[str, list[dict[str, Any]]] = {
     "greedy": [{"temperature": 0.0}],
@@ -46,6 +48,8 @@ PRESETS: dict[str, list[dict[str, Any]]] = {
     "qwen3-seeded": [{**QWEN3, "seed": 7}],
     "top-p": [{"temperature": 1.0, "top_p": 0.9}],
     "min-p": [{"temperature": 1.0, "min_p": 0.05}],
+    # Qwen3's advice against endless repetition: a presence penalty of 1.5.
+    "qwen3-presence": [{**QWEN3, "presence_penalty": 1.5}],
     # Rows cycle through these: one batch, four kinds of request.
     "mixed": [
         {"temperature": 0.0},
@@ -97,15 +101,32 @@ def run_case(
     import torch
 
     from pegainfer.protocol import SamplingParams
-    from worker_proc.sampler import Sampler
+    from worker_proc.sampler import Sampler, has_penalties
 
     generator = torch.Generator(device="cpu").manual_seed(batch)
     logits = (torch.randn(batch, vocab, generator=generator) * 3).to(device=device, dtype=dtype)
     positions = torch.arange(100, 100 + batch, device=device)
     params = [SamplingParams(**settings[i % len(settings)]) for i in range(batch)]
     sampler = Sampler(device, seed=0)
-    prepared = sampler.prepare(params, vocab)
-    return time_calls(lambda: sampler.sample(logits, prepared, positions), device, calls)
+    # Penalised rows: a 1,024-token prompt and 128 generated tokens each.
+    histories = [
+        (torch.randint(0, vocab, (HISTORY,), generator=generator).tolist(), HISTORY - 128)
+        for _ in range(batch)
+    ]
+    if "penalty_rows" not in inspect.signature(sampler.prepare).parameters:
+        # A tree from before the penalty table: the rows' histories at every step.
+        prepared = sampler.prepare(params, vocab)
+        penalised = any(has_penalties(p) for p in params)
+        extra = (histories,) if penalised else ()
+        return time_calls(
+            lambda: sampler.sample(logits, prepared, positions, *extra), device, calls
+        )
+    from worker_proc.penalties import PenaltyTable
+
+    table = PenaltyTable(vocab, device, sampler.uploader)
+    rows = [table.admit(*h) if has_penalties(p) else -1 for p, h in zip(params, histories)]
+    prepared = sampler.prepare(params, vocab, rows)
+    return time_calls(lambda: sampler.sample(logits, prepared, positions, table), device, calls)
 
 
 def main(argv: list[str] | None = None) -> int:

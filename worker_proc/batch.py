@@ -42,6 +42,7 @@ class SequenceState:
     slot: int = -1
     num_tokens: int = -1  # -1: len(token_ids)
     serial: int = 0  # unique per admission: keys the sampler's per-batch cache
+    penalty_row: int = -1  # its row of the penalty table (worker_proc/penalties.py), if any
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:

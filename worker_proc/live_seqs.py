@@ -15,6 +15,7 @@ import numpy as np
 
 from pegainfer.protocol import NewSequence, StepPlan, unpack_ids
 from worker_proc.batch import SequenceState
+from worker_proc.penalties import PenaltyTable
 from worker_proc.sampler import has_penalties
 from worker_proc.seq_slots import SlotTable
 from worker_proc.upload import Uploader
@@ -32,21 +33,17 @@ class LiveSequences:
         vocab_size: int,
         num_kv_blocks: int,
         block_size: int,
+        penalties: PenaltyTable | None = None,
     ) -> None:
         self.slots = slots
         self.uploader = uploader
         self.vocab_size = vocab_size
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        # The rank that samples keeps each penalised sequence's token counts on the device.
+        self.penalties = penalties
         self.seqs: dict[int, SequenceState] = {}
         self._serials = itertools.count(1)
-        # Live sequences whose sampling has penalties (it reads their history on the host):
-        # while there are none, a step need not look for them row by row.
-        self._penalised: set[int] = set()
-
-    @property
-    def any_penalised(self) -> bool:
-        return bool(self._penalised)
 
     def apply_diffs(self, plan: StepPlan) -> None:
         """Drop the finished sequences, add the new ones, append the new blocks."""
@@ -69,7 +66,7 @@ class LiveSequences:
         packed = np.frombuffer(new.token_ids, dtype="<i4")
         if packed.min() < 0 or packed.max() >= vocab:
             raise PlanError(f"sequence {new.seq_id} has token ids outside [0, {vocab})")
-        self.seqs[new.seq_id] = SequenceState(
+        seq = self.seqs[new.seq_id] = SequenceState(
             seq_id=new.seq_id,
             token_ids=token_ids,
             num_prompt_tokens=new.num_prompt_tokens,
@@ -77,15 +74,16 @@ class LiveSequences:
             slot=self.slots.allocate(),
             serial=next(self._serials),
         )
-        if has_penalties(new.sampling):
-            self._penalised.add(new.seq_id)
+        if self.penalties is not None and has_penalties(new.sampling):
+            seq.penalty_row = self.penalties.admit(token_ids, new.num_prompt_tokens)
 
     def drop(self, seq_id: int) -> None:
         """Forget a sequence; unknown ids are ignored (it may have failed to start)."""
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
             self.slots.free(seq.slot)
-            self._penalised.discard(seq_id)
+            if seq.penalty_row >= 0 and self.penalties is not None:
+                self.penalties.release(seq.penalty_row)
 
     def append_blocks(self, updates: list[tuple[int, list[int]]]) -> None:
         """Extend the host block tables and scatter the new entries into the device table,

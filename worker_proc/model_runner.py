@@ -58,8 +58,9 @@ from worker_proc.loader import load_model
 from worker_proc.logprobs import LogprobsCollector, wants_prompt_hidden
 from worker_proc.model_config import load_model_config
 from worker_proc.parallel_state import broadcast_from_rank0, init_distributed
+from worker_proc.penalties import PenaltyTable
 from worker_proc.prefill_graphs import PrefillGraphs
-from worker_proc.sampler import Sampler, SamplingBatch, has_penalties
+from worker_proc.sampler import Sampler, SamplingBatch
 from worker_proc.seq_slots import SlotTable
 from worker_proc.step_results import ResultQueue
 from worker_proc.upload import Uploader
@@ -141,12 +142,19 @@ class ModelRunner:
 
         self.slots = SlotTable(max(config.max_num_seqs, 1), self.max_blocks_per_seq, self.device)
         self.uploader = Uploader(self.device)
+        # Only rank 0 samples, so only it counts the penalised sequences' tokens.
+        self.penalties = (
+            PenaltyTable(self.model_config.vocab_size, self.device, self.uploader)
+            if rank == 0
+            else None
+        )
         self.live = LiveSequences(
             self.slots,
             self.uploader,
             self.model_config.vocab_size,
             self.num_kv_blocks,
             self.block_size,
+            self.penalties,
         )
         self.seqs = self.live.seqs  # seq_id -> SequenceState
         self.sampler = Sampler(self.device, config.seed, self.uploader)
@@ -190,9 +198,6 @@ class ModelRunner:
         num_computed = unpack_ids(plan.num_computed)
         num_scheduled = unpack_ids(plan.num_scheduled)
         seqs = self.live.batch(seq_ids, num_computed, num_scheduled)
-        penalised = self.live.any_penalised
-        if penalised and any(s.num_unresolved and has_penalties(s.sampling) for s in seqs):
-            self._copy_back_all()  # penalties read the whole history on the host
         size = prefill_size = None
         # Prompt logprobs need the hidden states: a step computing a prompt that asks for
         # them runs eagerly. The sequence's later steps (its decodes) replay graphs again.
@@ -309,12 +314,9 @@ class ModelRunner:
 
         samplers = [seqs[row] for row in layout.sample_rows]
         batch = self._sampling_batch(samplers)
-        histories = None
-        if batch.penalised_rows:
-            histories = [(s.token_ids, s.num_prompt_tokens) for s in samplers]
         if self.rank == 0:
             tokens = self.sampler.sample(
-                logits, batch, sample_pos, histories, greedy_tokens=greedy_tokens
+                logits, batch, sample_pos, self.penalties, greedy_tokens=greedy_tokens
             )
         else:  # rank 0's tokens are the tokens; the others receive them (parallel_state)
             tokens = torch.empty(len(samplers), dtype=torch.int64, device=self.device)
@@ -331,7 +333,9 @@ class ModelRunner:
         key = tuple(s.serial for s in samplers)
         if self._sampling_cache is None or self._sampling_cache[0] != key:
             batch = self.sampler.prepare(
-                [s.sampling for s in samplers], self.model_config.vocab_size
+                [s.sampling for s in samplers],
+                self.model_config.vocab_size,
+                [s.penalty_row for s in samplers],
             )
             self._sampling_cache = (key, batch)
         return self._sampling_cache[1]

@@ -1,7 +1,7 @@
 """Batched sampling of the next token from float32 logits, on the device.
 
 Per row: repetition, presence and frequency penalties first (they apply to greedy rows
-too); then temperature below ``GREEDY_TEMPERATURE`` means greedy argmax; otherwise the logits
+too; from token counts kept on the device, worker_proc/penalties.py); then temperature below ``GREEDY_TEMPERATURE`` means greedy argmax; otherwise the logits
 are scaled by the inverse temperature, filtered by top-k, top-p and min-p (in that order,
 each on what the previous one left), and one token is drawn.
 
@@ -34,6 +34,7 @@ import torch
 import kernels
 from kernels.sampling_race import race_rows
 from pegainfer.protocol import SamplingParams
+from worker_proc.penalties import PenaltyTable, penalty_arrays
 from worker_proc.sampling_noise import (
     effective_keys,
     mix32,
@@ -49,6 +50,7 @@ __all__ = [
     "GREEDY_TEMPERATURE",
     "RowGroup",
     "Sampler",
+    "PenalisedRows",
     "SamplingBatch",
     "has_penalties",
     "is_greedy",
@@ -100,6 +102,17 @@ class RowGroup:
 
 
 @dataclass
+class PenalisedRows:
+    """The batch rows with a penalty, their penalty-table rows and settings, on the device."""
+
+    batch_rows: torch.Tensor  # [p] int64
+    table_rows: torch.Tensor  # [p] int64
+    repetition: torch.Tensor  # [p, 1] float32
+    presence: torch.Tensor  # [p, 1]
+    frequency: torch.Tensor  # [p, 1]
+
+
+@dataclass
 class SamplingBatch:
     """The sampling settings of one batch composition, as device tensors."""
 
@@ -108,6 +121,7 @@ class SamplingBatch:
     greedy: torch.Tensor | None  # [N] bool; None when no row is greedy
     groups: list[RowGroup]
     penalised_rows: list[int]
+    penalised: PenalisedRows | None = None
 
     @property
     def num_rows(self) -> int:
@@ -166,13 +180,29 @@ class Sampler:
             self._vocab_salt = vocab_salt(vocab, self.device)
         return self._vocab_salt
 
-    def prepare(self, params: list[SamplingParams], vocab_size: int) -> SamplingBatch:
+    def prepare(
+        self,
+        params: list[SamplingParams],
+        vocab_size: int,
+        penalty_rows: list[int] | None = None,
+    ) -> SamplingBatch:
         """Device tensors of every row's settings; reuse the result while the batch's rows
-        (and so their settings) stay the same."""
+        (and so their settings) stay the same. ``penalty_rows``: each row's row of the
+        penalty table (-1 where none); needed when a row has a penalty."""
         greedy = [is_greedy(p) for p in params]
         penalised = [i for i, p in enumerate(params) if has_penalties(p)]
+        penalised_rows = None
+        if penalised:
+            if penalty_rows is None or any(penalty_rows[i] < 0 for i in penalised):
+                raise ValueError("rows with penalties need their rows of the penalty table")
+            arrays = [
+                np.asarray(penalised, dtype=np.int64),
+                np.asarray([penalty_rows[i] for i in penalised], dtype=np.int64),
+                *penalty_arrays([params[i] for i in penalised]),
+            ]
+            penalised_rows = PenalisedRows(*self.uploader.upload(arrays, persistent=True))
         if all(greedy):
-            return SamplingBatch(params, True, None, [], penalised)
+            return SamplingBatch(params, True, None, [], penalised, penalised_rows)
         # 0: off. Greedy rows never use their filters.
         top_ks = [
             p.top_k if 0 < p.top_k < vocab_size and not g else 0 for p, g in zip(params, greedy)
@@ -199,7 +229,7 @@ class Sampler:
             group_tensors, tensors = tensors[:6], tensors[6:]
             whole = len(rows) == len(params)
             groups.append(_group(path, per_group[path], group_tensors, whole))
-        return SamplingBatch(params, False, greedy_mask, groups, penalised)
+        return SamplingBatch(params, False, greedy_mask, groups, penalised, penalised_rows)
 
     def _race(
         self, logits: torch.Tensor, group: RowGroup, positions: torch.Tensor, call_key: int
@@ -267,45 +297,12 @@ class Sampler:
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         return logits
 
-    def _apply_penalties(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        histories: list[tuple[list[int], int]],
-    ) -> torch.Tensor:
-        """Repetition penalty over prompt and output tokens (positive logits divided, negative
-        multiplied); presence and frequency penalties over output tokens, OpenAI style.
-        Rows without penalties cost nothing; each penalised row copies its history over."""
-        rows = [i for i, p in enumerate(params) if has_penalties(p)]
-        if not rows:
-            return logits
-        logits = logits.clone()
-        vocab = logits.shape[1]
-        for i in rows:
-            p = params[i]
-            token_ids, num_prompt_tokens = histories[i]
-            row = logits[i]
-            if p.repetition_penalty != 1.0 and token_ids:
-                seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-                seen[torch.tensor(token_ids, dtype=torch.int64).to(logits.device)] = True
-                penalised = torch.where(
-                    row > 0, row / p.repetition_penalty, row * p.repetition_penalty
-                )
-                row = torch.where(seen, penalised, row)
-            output = token_ids[num_prompt_tokens:]
-            if (p.presence_penalty or p.frequency_penalty) and output:
-                ids = torch.tensor(output, dtype=torch.int64).to(logits.device)
-                counts = torch.bincount(ids, minlength=vocab)[:vocab].to(row.dtype)
-                row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
-            logits[i] = row
-        return logits
-
     def sample(
         self,
         logits: torch.Tensor,
         batch: SamplingBatch,
         positions: torch.Tensor | None = None,
-        histories: list[tuple[list[int], int]] | None = None,
+        penalties: PenaltyTable | None = None,
         greedy_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``logits [N, vocab]`` (the model's dtype or float32) -> token ids ``[N]`` int64
@@ -313,16 +310,36 @@ class Sampler:
         holds the same values); sampled rows are scored in float32.
 
         ``positions [N]`` int64 (device): the position of the token each row draws; needed
-        when a row is seeded. ``histories`` gives each row's ``(token_ids,
-        num_prompt_tokens)``; needed only when some row has a penalty. ``greedy_tokens
-        [N]``: the argmax of each row of ``logits`` where already taken (the decode graph
-        takes it), used unless a penalty changes the logits.
+        when a row is seeded. ``penalties``: the table of the rows' token counts, needed
+        when some row has a penalty; it counts the tokens drawn for those rows.
+        ``greedy_tokens [N]``: the argmax of each row of ``logits`` where already taken
+        (the decode graph takes it), used unless a penalty changes the logits.
         """
-        if batch.penalised_rows:
-            if histories is None:
-                raise ValueError("rows with penalties need their token histories")
-            logits = self._apply_penalties(logits.float(), batch.params, histories)
+        penalised = batch.penalised
+        if penalised is not None:
+            if penalties is None:
+                raise ValueError("rows with penalties need the penalty table")
+            logits = penalties.apply(
+                logits.float(),
+                penalised.batch_rows,
+                penalised.table_rows,
+                penalised.repetition,
+                penalised.presence,
+                penalised.frequency,
+            )
             greedy_tokens = None
+            tokens = self._draw(logits, batch, positions, greedy_tokens)
+            penalties.record(penalised.table_rows, tokens.index_select(0, penalised.batch_rows))
+            return tokens
+        return self._draw(logits, batch, positions, greedy_tokens)
+
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        positions: torch.Tensor | None,
+        greedy_tokens: torch.Tensor | None,
+    ) -> torch.Tensor:
         if batch.greedy is not None or batch.all_greedy:
             if greedy_tokens is None:
                 greedy_tokens = kernels.argmax_rows(logits)

@@ -3,7 +3,7 @@
 CUDA loads a kernel's module the first time the kernel launches (lazy loading). The decode
 and prefill graphs' capture launches the model's kernels, but some of torch's eager ops run
 only once requests arrive: the block-table write of a new sequence, the prefill graphs'
-input copies, the sampler's noise. Each first launch of such an op loads its module inside
+input copies, the sampler's own. Each first launch of such an op loads its module inside
 a request's time to first token; on an H200 the first new sequence's block-table write alone
 took 13.5 ms, and the first 1,024-token prompt 29-38 ms against 14-15 for the next.
 
@@ -14,8 +14,10 @@ a mixed step, in batches of at most ``max_num_seqs``. A loaded module stays resi
 worker's host memory, so the rarer paths are left to their first request: with top-k,
 top-p and min-p, a seed, penalties and prompt logprobs warmed too, the idle tree's PSS grew
 from 1,369 to 1,632 MB (Qwen3-4B shape, H200), past its 1.5 GB target; these two paths cost
-22 MB. Their first use costs about 25-50 ms each (top-p 44 ms, min-p 37, penalties 52,
-logprobs 27).
+22 MB. Their first use cost about 25-50 ms each (top-p 44 ms, min-p 37, penalties 52,
+logprobs 27), measured before the sampler drew every row by the race kernel: a seeded
+row without filters now takes the warmed path, and the others' first uses were not
+measured again.
 
 They use KV blocks from 0 up: at start-up the scheduler holds none, and a sequence writes
 its blocks before it reads them. Every sequence is freed again, and the sampler's call count
