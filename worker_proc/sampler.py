@@ -164,7 +164,6 @@ class Sampler:
         self._seed_key = seed_key(seed)
         self._calls = 0
         self.uploader = uploader or Uploader(device, ring_size=2)
-        self._vocab_salt: torch.Tensor | None = None
 
     def reseed(self) -> None:
         """Draw the unseeded rows' noise as from a fresh sampler."""
@@ -176,9 +175,7 @@ class Sampler:
         return mix32_int(self._seed_key ^ mix32_int(self._calls)) & 0x7FFFFFFF
 
     def _salt(self, vocab: int) -> torch.Tensor:
-        if self._vocab_salt is None or self._vocab_salt.numel() != vocab:
-            self._vocab_salt = vocab_salt(vocab, self.device)
-        return self._vocab_salt
+        return vocab_salt(vocab, self.device)
 
     def prepare(
         self,

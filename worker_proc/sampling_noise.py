@@ -23,11 +23,13 @@ VOCAB_SALT = 0x5BD1E995
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (xorshift-multiply) on int64 tensors holding [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = (x * _MUL_A) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * _MUL_B) & _MASK32
-    return x ^ (x >> 16)
+    x = x ^ (x >> 16)  # a new tensor: the input stays as it was
+    # In place from here: a whole row of noise on the CPU is memory bound (7.0 -> 4.1 ms for
+    # 8 x 151,936 values).
+    x.mul_(_MUL_A).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(_MUL_B).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(x >> 16)
 
 
 def mix32_int(x: int) -> int:
@@ -53,10 +55,18 @@ def effective_keys(keys: torch.Tensor, call_key: int) -> torch.Tensor:
     return torch.where(keys >= 0, keys, mix32((index ^ call_key) & _MASK32))
 
 
+_salts: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
 def vocab_salt(vocab: int, device: torch.device) -> torch.Tensor:
-    """``[vocab]`` int64: each vocabulary index's share of the hash."""
-    index = torch.arange(vocab, dtype=torch.int64, device=device)
-    return mix32(index ^ VOCAB_SALT)
+    """``[vocab]`` int64: each vocabulary index's share of the hash (made once per device;
+    callers must not write to it)."""
+    key = (vocab, torch.device(device))
+    salt = _salts.get(key)
+    if salt is None:
+        index = torch.arange(vocab, dtype=torch.int64, device=device)
+        salt = _salts[key] = mix32(index ^ VOCAB_SALT)
+    return salt
 
 
 def seeded_exponentials(
