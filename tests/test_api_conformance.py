@@ -182,6 +182,37 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(server):
     assert different != alone
 
 
+def test_qwen3_sampling_and_penalties_through_the_server(server):
+    """Qwen3's recommended settings with a presence penalty (the top-k candidate path and
+    the device-side token counts): a seeded request gives the same tokens alone and among
+    other penalised and unseeded requests. Strong presence and frequency penalties make
+    greedy decoding repeat itself less."""
+    qwen3 = dict(temperature=0.6, top_p=0.95, top_k=20, presence_penalty=1.5)
+    body = dict(
+        prompt="Once upon", max_tokens=8, seed=77, ignore_eos=True, return_token_ids=True, **qwen3
+    )
+    alone = complete(server, **body)["choices"][0]["token_ids"]
+
+    def other(i: int) -> list[int]:
+        fields = dict(prompt=f"noise {i}", max_tokens=8, ignore_eos=True, return_token_ids=True)
+        extra = qwen3 if i % 2 else {"temperature": 1.0, "frequency_penalty": 0.7}
+        return complete(server, **fields, **extra)["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(4) as pool:
+        noise = [pool.submit(other, i) for i in range(3)]
+        batched = pool.submit(complete, server, **body)
+        assert batched.result()["choices"][0]["token_ids"] == alone
+        assert all(len(f.result()) == 8 for f in noise)
+    greedy = dict(prompt="Hello", max_tokens=64, temperature=0.0, ignore_eos=True)
+    plain = complete(server, **greedy, return_token_ids=True)["choices"][0]["token_ids"]
+    repeats = len(plain) - len(set(plain))
+    assert repeats > 0  # the random model repeats itself
+    penalty = dict(frequency_penalty=2.0, presence_penalty=2.0)
+    penalised = complete(server, **greedy, **penalty, return_token_ids=True)
+    ids = penalised["choices"][0]["token_ids"]
+    assert len(ids) == 64 and len(ids) - len(set(ids)) < repeats
+
+
 # -- stopping -------------------------------------------------------------------------------
 
 
