@@ -39,28 +39,24 @@ def _chunk_argmax(values, columns, vocab):
 
 
 @triton_jit
-def _argmax_kernel(
-    logits_ptr,
+def argmax_across_chunks(
+    values,
+    columns,
+    row,
+    chunk,
+    num_chunks,
+    vocab,
     out_ptr,
     partial_value_ptr,
     partial_index_ptr,
     counters_ptr,
-    vocab,
-    stride_row,
-    num_chunks,
-    CHUNK: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    LAUNCH_SUCCESSOR: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
-    columns = chunk * CHUNK + tl.arange(0, CHUNK)
-    values = tl.load(
-        logits_ptr + row * stride_row + columns, mask=columns < vocab, other=float("-inf")
-    ).to(tl.float32)
-    values = tl.where(values != values, float("inf"), values)
+    """Store at ``out_ptr + row`` the first column of the row's largest value, where this
+    program holds chunk ``chunk`` of ``num_chunks`` (``values`` float32 at ``columns``, -inf
+    past ``vocab``): each program files its chunk's best pair, and the last of the row's
+    programs to arrive reduces the pairs in chunk order, so the first column wins whichever
+    program ends last."""
     best, best_column = _chunk_argmax(values, columns, vocab)
     if num_chunks == 1:
         tl.store(out_ptr + row, best_column.to(tl.int64))
@@ -86,6 +82,35 @@ def _argmax_kernel(
             column = tl.min(tl.where(chunk_values == top, chunk_columns, vocab), axis=0)
             tl.store(out_ptr + row, column.to(tl.int64))
             tl.store(counter, 0)  # ready for the next launch (or graph replay)
+
+
+@triton_jit
+def _argmax_kernel(
+    logits_ptr,
+    out_ptr,
+    partial_value_ptr,
+    partial_index_ptr,
+    counters_ptr,
+    vocab,
+    stride_row,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    LAUNCH_SUCCESSOR: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
+    columns = chunk * CHUNK + tl.arange(0, CHUNK)
+    values = tl.load(
+        logits_ptr + row * stride_row + columns, mask=columns < vocab, other=float("-inf")
+    ).to(tl.float32)
+    values = tl.where(values != values, float("inf"), values)
+    argmax_across_chunks(
+        values, columns, row, chunk, num_chunks, vocab, out_ptr, partial_value_ptr,
+        partial_index_ptr, counters_ptr, CHUNKS_PAD,
+    )  # fmt: skip
 
 
 def argmax_rows_triton(

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_merge import arrive_last, split_counters
+from kernels.argmax import argmax_across_chunks
+from kernels.attention_merge import split_counters
 from kernels.backend import cdiv, load_triton, next_power_of_2, triton_jit, use_triton
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
@@ -97,33 +98,11 @@ def _race_kernel(
     uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
     # score - log(E), E = -log(uniform): the Gumbel-max form of the exponential race.
     scores = scores - tl.log(-tl.log(uniform))
-    scores = tl.where(columns < vocab, scores, float("-inf"))
-    best = tl.max(scores, axis=0)
-    best_column = tl.min(tl.where(scores == best, columns, vocab), axis=0)
-    if num_chunks == 1:
-        tl.store(out_ptr + row, best_column.to(tl.int64))
-    else:
-        slot = row * num_chunks + chunk
-        tl.store(partial_score_ptr + slot, best)
-        tl.store(partial_index_ptr + slot, best_column)
-        counter = counters_ptr + row
-        if arrive_last(counter, num_chunks):
-            chunks = tl.arange(0, CHUNKS_PAD)
-            in_row = chunks < num_chunks
-            first = row * num_chunks
-            chunk_scores = tl.load(
-                partial_score_ptr + first + chunks,
-                mask=in_row,
-                other=float("-inf"),
-                cache_modifier=".cg",
-            )
-            chunk_columns = tl.load(
-                partial_index_ptr + first + chunks, mask=in_row, other=vocab, cache_modifier=".cg"
-            )
-            top = tl.max(chunk_scores, axis=0)
-            column = tl.min(tl.where(chunk_scores == top, chunk_columns, vocab), axis=0)
-            tl.store(out_ptr + row, column.to(tl.int64))
-            tl.store(counter, 0)  # ready for the next launch
+    # Columns past the row load -inf, and stay -inf: no noise lifts them.
+    argmax_across_chunks(
+        scores, columns, row, chunk, num_chunks, vocab, out_ptr, partial_score_ptr,
+        partial_index_ptr, counters_ptr, CHUNKS_PAD,
+    )  # fmt: skip
 
 
 def race_rows_triton(
