@@ -15,10 +15,14 @@ frequency penalties subtract ``presence * (count > 0) + frequency * count`` over
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from worker_proc.upload import Uploader
+
+logger = logging.getLogger(__name__)
 
 MIN_ROWS = 8
 
@@ -51,6 +55,11 @@ class PenaltyTable:
         counts[:old] = self.counts
         self.prompt_seen, self.counts = seen, counts
         self._free.extend(range(new - 1, old - 1, -1))  # lowest row first
+        logger.info(
+            "penalty table: %d rows (%.1f MiB) for sequences with penalties",
+            new,
+            new * self.vocab_size * 5 / 2**20,
+        )
 
     def admit(self, token_ids: list[int], num_prompt_tokens: int) -> int:
         """A row for a new sequence: its prompt's tokens seen, its generated ones counted."""
