@@ -52,7 +52,7 @@ def race_rows_ref(
 # The hash's constants are worker_proc.sampling_noise's, written out: a Triton kernel reads
 # no module-level integer.
 @triton_jit
-def _mix32(x):
+def mix32_u32(x):
     """``sampling_noise.mix32`` on uint32 values (its products wrap, as masked there)."""
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
@@ -89,12 +89,12 @@ def _race_kernel(
     scores = tl.where(scores != scores, float("inf"), scores)
     seed_key = tl.load(keys_ptr + row)
     own_key = (seed_key & 0xFFFFFFFF).to(tl.uint32)
-    call_row_key = _mix32(((row ^ call_key) & 0xFFFFFFFF).to(tl.uint32))
+    call_row_key = mix32_u32(((row ^ call_key) & 0xFFFFFFFF).to(tl.uint32))
     key = tl.where(seed_key >= 0, own_key, call_row_key)
     position = (tl.load(positions_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
-    row_hash = _mix32(key ^ _mix32(position))
-    salt = _mix32(columns.to(tl.uint32) ^ 0x5BD1E995)
-    bits = _mix32(row_hash ^ salt)
+    row_hash = mix32_u32(key ^ mix32_u32(position))
+    salt = mix32_u32(columns.to(tl.uint32) ^ 0x5BD1E995)
+    bits = mix32_u32(row_hash ^ salt)
     uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
     # score - log(E), E = -log(uniform): the Gumbel-max form of the exponential race.
     scores = scores - tl.log(-tl.log(uniform))

@@ -230,12 +230,26 @@ def test_cuda_graphs_give_the_same_greedy_tokens(checkpoint, in_flight):
     assert outputs[0] == outputs[1]
 
 
+SAMPLINGS = [
+    {"temperature": 0.0},
+    {"temperature": 1.0},
+    {"temperature": 0.6, "top_p": 0.95, "top_k": 20},
+    {"temperature": 0.8, "top_k": 40},
+    {"temperature": 0.7, "top_k": 20, "min_p": 0.05, "seed": 3},
+    {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.05},
+    {"temperature": 1.0, "top_p": 0.9},
+    {"temperature": 0.0, "presence_penalty": 1.0},
+]
+
+
 @needs_cuda
 @pytest.mark.gpu
 def test_serving_compiles_no_triton_kernel_after_start_up(checkpoint, monkeypatch):
     """Decode batches of every size to 20 and contexts past 16 and 32 blocks, prefill chunks
-    of every length: each Triton variant they launch was compiled at start-up. One compiled
-    later stalls the step that launched it (kernels/compile_watch.py)."""
+    of every length, and every way of sampling (greedy, temperature alone, top-k with and
+    without top-p and min-p, top-p alone, a penalty, a seed): each Triton variant they launch
+    was compiled at start-up. One compiled later stalls the step that launched it
+    (kernels/compile_watch.py)."""
     from kernels import compile_watch
     from kernels.backend import load_triton
 
@@ -249,7 +263,7 @@ def test_serving_compiles_no_triton_kernel_after_start_up(checkpoint, monkeypatc
         (
             f"r{i}",
             [(13 * i + 7 * j) % 500 + 1 for j in range(30 + 3 * i)],
-            SamplingParams(temperature=0.0, max_tokens=10 + (7 * i) % 30),
+            SamplingParams(**SAMPLINGS[i % len(SAMPLINGS)], max_tokens=10 + (7 * i) % 30),
         )
         for i in range(20)
     ]

@@ -19,6 +19,7 @@ from worker_proc.sampler import (
     seed_key,
     seeded_exponentials,
 )
+from worker_proc.sampling_noise import vocab_salt
 from worker_proc.upload import Uploader
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -96,8 +97,7 @@ def test_seeded_sampling_follows_the_distribution(seed):
 
 
 def test_seeded_noise_is_uniform_and_uncorrelated():
-    sampler = _sampler()
-    salt = sampler._salt(1000)
+    salt = vocab_salt(1000, CPU)
     keys = torch.tensor([seed_key(s) for s in range(64)])
     noise = seeded_exponentials(keys, torch.arange(64), salt)
     uniform = torch.exp(-noise).flatten().numpy()  # back to U(0, 1)
@@ -400,7 +400,7 @@ def test_cuda_sampler_matches_cpu():
     cpu_bits = mix32(keys.unsqueeze(1) ^ mix32(torch.arange(5000)).unsqueeze(0))
     gpu_bits = mix32(keys.to(cuda).unsqueeze(1) ^ mix32(torch.arange(5000, device=cuda)))
     assert torch.equal(cpu_bits, gpu_bits.cpu())
-    salt = _sampler()._salt(5000)
+    salt = vocab_salt(5000, CPU)
     torch.testing.assert_close(
         seeded_exponentials(keys, positions, salt),
         seeded_exponentials(keys.to(cuda), positions.to(cuda), salt.to(cuda)).cpu(),

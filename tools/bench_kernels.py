@@ -168,7 +168,7 @@ def cases(device: torch.device, quick: bool) -> list[tuple[str, Callable, Callab
             )
         )
 
-    from kernels import sampling_race
+    from kernels import sampling_candidates, sampling_race
 
     for batch in (1, 8, 64) if quick else (1, 8, 64, 256):
         logits = torch.randn(batch, VOCAB, dtype=DTYPE, device=device) * 3
@@ -185,6 +185,19 @@ def cases(device: torch.device, quick: bool) -> list[tuple[str, Callable, Callab
                 lambda a=race_args: sampling_race.race_rows_triton(*a),
                 lambda a=race_args: sampling_race.race_rows_ref(*a),
                 logits.numel() * ELEM,
+                0.0,
+            )
+        )
+        values, ids = logits.float().topk(128, dim=-1)
+        cut = torch.full((batch,), 0.95, device=device)
+        candidate_args = (values, ids, torch.full_like(race_args[2], 20), cut, None,
+                          race_args[2], race_args[3], 12345)  # fmt: skip
+        rows.append(
+            (
+                f"sampling candidates (top-k 20, top-p) B={batch}",
+                lambda a=candidate_args: sampling_candidates.race_candidates_triton(*a),
+                lambda a=candidate_args: sampling_candidates.race_candidates_ref(*a),
+                values.numel() * 12,
                 0.0,
             )
         )

@@ -12,6 +12,7 @@ warm-up runs launch them one after another.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from torch import nn
 import kernels
 from kernels.compile_ahead import CompileAheadReport, compile_for, fingerprint
 from kernels.host_copy import copy_pinned, tokens_out
+from kernels.sampling_candidates import race_candidates
 from kernels.sampling_race import race_rows
 from pegainfer.config import EngineConfig
 from pegainfer.startup_timeline import StartupTimeline
@@ -30,6 +32,7 @@ from worker_proc.cuda_graphs import DecodeGraphs, GraphBackend, Replay, capture_
 from worker_proc.layers.attention import Attention
 from worker_proc.parallel_state import get_tp_size
 from worker_proc.prefill_graphs import MAX_SEQS, PrefillGraphs, prefill_token_sizes
+from worker_proc.sampler import CANDIDATES
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +170,13 @@ def compile_graph_kernels(
         for values_dtype in dict.fromkeys((dtype, torch.float32)):
             values = torch.zeros((1, vocab_size), dtype=values_dtype, device=device)
             race_rows(values, torch.ones(1, device=device), row, row, 0)
+        # The candidate path's four variants (with and without top-p, min-p).
+        width = min(CANDIDATES, vocab_size)
+        values = torch.zeros((1, width), device=device)
+        ids = torch.zeros((1, width), dtype=torch.int64, device=device)
+        cut = torch.ones(1, device=device)
+        for top_p, min_p in itertools.product((None, cut), (None, cut)):
+            race_candidates(values, ids, row + 1, top_p, min_p, row, row, 0)
         words = torch.empty(64, dtype=torch.int32, device=device)
         copy_pinned(words, torch.empty(64, dtype=torch.int32, pin_memory=True))
         tokens = torch.zeros(2, dtype=torch.int64, device=device)

@@ -32,16 +32,15 @@ import numpy as np
 import torch
 
 import kernels
+from kernels.sampling_candidates import race_candidates
 from kernels.sampling_race import race_rows
 from pegainfer.protocol import SamplingParams
 from worker_proc.penalties import PenaltyTable, penalty_arrays
 from worker_proc.sampling_noise import (
-    effective_keys,
     mix32,
     mix32_int,
     seed_key,
     seeded_exponentials,
-    vocab_salt,
 )
 from worker_proc.upload import Uploader
 
@@ -174,9 +173,6 @@ class Sampler:
         self._calls += 1
         return mix32_int(self._seed_key ^ mix32_int(self._calls)) & 0x7FFFFFFF
 
-    def _salt(self, vocab: int) -> torch.Tensor:
-        return vocab_salt(vocab, self.device)
-
     def prepare(
         self,
         params: list[SamplingParams],
@@ -251,22 +247,16 @@ class Sampler:
         assert group.top_k is not None
         scores = logits * group.inv_temperatures.unsqueeze(1)
         values, ids = scores.topk(min(CANDIDATES, scores.shape[1]), dim=-1)  # descending
-        ranks = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
-        values = values.masked_fill(ranks >= group.top_k, float("-inf"))
-        if group.top_p is not None:
-            probs = values.softmax(dim=-1)
-            # Mass strictly before each token; the most likely token always stays.
-            mass_before = probs.cumsum(dim=-1) - probs
-            values = values.masked_fill(mass_before > group.top_p, float("-inf"))
-        if group.min_p is not None:
-            probs = values.softmax(dim=-1)
-            threshold = group.min_p * probs.amax(dim=-1, keepdim=True)
-            values = values.masked_fill(probs < threshold, float("-inf"))
-        # The noise each candidate gets in the whole row: its own vocabulary index's.
-        salt = self._salt(scores.shape[1])[ids]
-        noise = seeded_exponentials(effective_keys(group.keys, call_key), positions, salt)
-        choice = (values - noise.log_()).argmax(dim=-1, keepdim=True)
-        return ids.gather(1, choice).squeeze(1)
+        return race_candidates(
+            values,
+            ids,
+            group.top_k.view(-1),
+            None if group.top_p is None else group.top_p.view(-1),
+            None if group.min_p is None else group.min_p.view(-1),
+            group.keys,
+            positions,
+            call_key,
+        )
 
     def _filter(self, logits: torch.Tensor, group: RowGroup) -> torch.Tensor:
         """Set the logits of tokens outside top-k / top-p / min-p to -inf."""
