@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kernels.backend import load_triton, next_power_of_2, triton_jit, use_triton
-from kernels.sampling_race import mix32_u32
+from kernels.sampling_race import log_noise
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -94,16 +94,7 @@ def _candidates_kernel(
         probs = _softmax(values)
         threshold = tl.load(min_p_ptr + row) * tl.max(probs, axis=0)
         values = tl.where(probs < threshold, float("-inf"), values)
-    seed_key = tl.load(keys_ptr + row)
-    own_key = (seed_key & 0xFFFFFFFF).to(tl.uint32)
-    call_row_key = mix32_u32(((row ^ call_key) & 0xFFFFFFFF).to(tl.uint32))
-    key = tl.where(seed_key >= 0, own_key, call_row_key)
-    position = (tl.load(positions_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
-    row_hash = mix32_u32(key ^ mix32_u32(position))
-    salt = mix32_u32((ids & 0xFFFFFFFF).to(tl.uint32) ^ 0x5BD1E995)
-    bits = mix32_u32(row_hash ^ salt)
-    uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
-    scores = values - tl.log(-tl.log(uniform))
+    scores = values - log_noise(keys_ptr, positions_ptr, row, call_key, ids)
     best = tl.max(scores, axis=0)
     choice = tl.min(tl.where(scores == best, ranks, WIDTH_PAD), axis=0)
     tl.store(out_ptr + row, tl.sum(tl.where(ranks == choice, ids, 0), axis=0))

@@ -61,6 +61,25 @@ def mix32_u32(x):
     return x ^ (x >> 16)
 
 
+@triton_jit
+def log_noise(keys_ptr, positions_ptr, row, call_key, ids):
+    """``log(E)`` of row ``row``'s noise at vocabulary ids ``ids``: ``E = -log(uniform)``,
+    the uniform from the hash of (the row's key, its position, the id), as
+    ``sampling_noise.seeded_exponentials`` makes it. Subtracted from a score, it makes the
+    Gumbel-max form of the exponential race. A key of -1 takes one of ``call_key`` and
+    ``row``."""
+    seed_key = tl.load(keys_ptr + row)
+    own_key = (seed_key & 0xFFFFFFFF).to(tl.uint32)
+    call_row_key = mix32_u32(((row ^ call_key) & 0xFFFFFFFF).to(tl.uint32))
+    key = tl.where(seed_key >= 0, own_key, call_row_key)
+    position = (tl.load(positions_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
+    row_hash = mix32_u32(key ^ mix32_u32(position))
+    salt = mix32_u32(ids.to(tl.uint32) ^ 0x5BD1E995)  # ids: int32 columns or int64 ids
+    bits = mix32_u32(row_hash ^ salt)
+    uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
+    return tl.log(-tl.log(uniform))
+
+
 # call_key changes at every call: specialized, its value would pick a variant.
 @triton_jit(do_not_specialize=("call_key",))
 def _race_kernel(
@@ -87,17 +106,7 @@ def _race_kernel(
     ).to(tl.float32)
     scores = values * tl.load(inv_temperature_ptr + row)
     scores = tl.where(scores != scores, float("inf"), scores)
-    seed_key = tl.load(keys_ptr + row)
-    own_key = (seed_key & 0xFFFFFFFF).to(tl.uint32)
-    call_row_key = mix32_u32(((row ^ call_key) & 0xFFFFFFFF).to(tl.uint32))
-    key = tl.where(seed_key >= 0, own_key, call_row_key)
-    position = (tl.load(positions_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
-    row_hash = mix32_u32(key ^ mix32_u32(position))
-    salt = mix32_u32(columns.to(tl.uint32) ^ 0x5BD1E995)
-    bits = mix32_u32(row_hash ^ salt)
-    uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
-    # score - log(E), E = -log(uniform): the Gumbel-max form of the exponential race.
-    scores = scores - tl.log(-tl.log(uniform))
+    scores = scores - log_noise(keys_ptr, positions_ptr, row, call_key, columns)
     # Columns past the row load -inf, and stay -inf: no noise lifts them.
     argmax_across_chunks(
         scores, columns, row, chunk, num_chunks, vocab, out_ptr, partial_score_ptr,
