@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import sampling_race
 from kernels.backend import load_triton, next_power_of_2, triton_jit, use_triton
-from kernels.sampling_race import log_noise
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -94,7 +94,7 @@ def _candidates_kernel(
         probs = _softmax(values)
         threshold = tl.load(min_p_ptr + row) * tl.max(probs, axis=0)
         values = tl.where(probs < threshold, float("-inf"), values)
-    scores = values - log_noise(keys_ptr, positions_ptr, row, call_key, ids)
+    scores = values - sampling_race.log_noise(keys_ptr, positions_ptr, row, call_key, ids)
     best = tl.max(scores, axis=0)
     choice = tl.min(tl.where(scores == best, ranks, WIDTH_PAD), axis=0)
     tl.store(out_ptr + row, tl.sum(tl.where(ranks == choice, ids, 0), axis=0))

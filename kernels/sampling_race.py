@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.argmax import argmax_across_chunks
+from kernels import argmax
 from kernels.attention_merge import split_counters
 from kernels.backend import cdiv, load_triton, next_power_of_2, triton_jit, use_triton
 
@@ -108,7 +108,7 @@ def _race_kernel(
     scores = tl.where(scores != scores, float("inf"), scores)
     scores = scores - log_noise(keys_ptr, positions_ptr, row, call_key, columns)
     # Columns past the row load -inf, and stay -inf: no noise lifts them.
-    argmax_across_chunks(
+    argmax.argmax_across_chunks(
         scores, columns, row, chunk, num_chunks, vocab, out_ptr, partial_score_ptr,
         partial_index_ptr, counters_ptr, CHUNKS_PAD,
     )  # fmt: skip

@@ -76,3 +76,55 @@ def test_tool_refuses_the_interpreter(tmp_path):
     )
     assert result.returncode != 0
     assert "TRITON_INTERPRET" in result.stderr
+
+
+SAMPLING_KERNELS = """
+import torch
+# Imported before Triton is loaded, as in the worker: a kernel that calls another module's
+# jitted helper must reach it through that module, or it names the unbound function.
+from kernels import argmax, sampling_candidates, sampling_race
+from kernels.backend import load_triton
+load_triton()
+from tools.kernel_resources import Launch, compile_launch
+V = 151936
+rows = 8
+common = dict(keys_ptr=torch.empty(rows, dtype=torch.int64),
+              positions_ptr=torch.empty(rows, dtype=torch.int64),
+              out_ptr=torch.empty(rows, dtype=torch.int64), call_key=12345)
+race = dict(common, values_ptr=torch.empty(rows, V, dtype=torch.bfloat16),
+            inv_temperature_ptr=torch.empty(rows), partial_score_ptr=torch.empty(rows * 38),
+            partial_index_ptr=torch.empty(rows * 38, dtype=torch.int32),
+            counters_ptr=torch.empty(rows, dtype=torch.int32), vocab=V, stride_row=V,
+            num_chunks=38, CHUNK=4096, CHUNKS_PAD=64)
+print(compile_launch(Launch(sampling_race._race_kernel, race, {"num_warps": 4}, rows), 90))
+for top_p in (False, True):
+    for min_p in (False, True):
+        cand = dict(common, values_ptr=torch.empty(rows, 128),
+                    ids_ptr=torch.empty(rows, 128, dtype=torch.int64),
+                    top_k_ptr=torch.empty(rows, dtype=torch.int64), top_p_ptr=torch.empty(rows),
+                    min_p_ptr=torch.empty(rows), width=128, WIDTH_PAD=128, TOP_P=top_p,
+                    MIN_P=min_p)
+        launch = Launch(sampling_candidates._candidates_kernel, cand, {"num_warps": 1}, rows)
+        print(compile_launch(launch, 90))
+"""
+
+
+def test_the_sampling_kernels_compile_for_sm_90():
+    """The race and candidates kernels (run after the decode graph, so not in the step
+    above) compile for sm_90 as the worker imports them."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", SAMPLING_KERNELS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = [json.loads(line.replace("'", '"')) for line in result.stdout.splitlines()]
+    assert len(compiled) == 5
+    for resources in compiled:
+        assert 0 < resources["registers"] <= 255, resources
