@@ -125,10 +125,12 @@ def test_bench_serving_poisson(micro_server, micro_dir, tmp_path, capsys):
         "--input-len-range", "0.5",
         "--output-len", "5",
         "--roofline-device", "cpu",
+        "--sampling", "qwen3-presence",
         "--out", str(tmp_path),
     )  # fmt: skip
     payload = outputs(tmp_path, "serving")
     assert_roofline_table(stdout, payload)
+    assert "qwen3-presence sampling" in stdout
     summary = payload["summary"]
     assert summary["completed"] == 6 and summary["failed"] == 0
     assert summary["total_output_tokens"] == 6 * 5  # ignore_eos: exactly max_tokens each

@@ -57,6 +57,7 @@ from tools.bench_model import (
     decode_roofline_s,
     load_model_shape,
 )
+from tools.bench_sampler import PRESETS as SAMPLING_PRESETS
 
 # The latencies of a run's summary, each mean, p50, p90 and p99 in ms.
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
@@ -79,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-duration", type=float, default=600.0, help="seconds; then stop")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--sampling",
+        choices=list(SAMPLING_PRESETS),
+        default="greedy",
+        help="the requests' sampling settings (tools/bench_sampler.py's presets; qwen3: "
+        "temperature 0.6, top-p 0.95, top-k 20)",
+    )
     p.add_argument("--model-path", default=None, help="checkpoint dir, for the roofline")
     p.add_argument(
         "--launch",
@@ -262,6 +270,7 @@ def run_benchmark(
                 max_duration=args.max_duration,
                 request_timeout=args.request_timeout,
                 on_done=lambda _: bar.update(1),
+                sampling=SAMPLING_PRESETS[args.sampling],
             )
         finally:
             bar.close()
@@ -273,7 +282,7 @@ def run_benchmark(
         f"serving benchmark: {url} model {model}, {args.num_prompts} prompts, input "
         f"{args.input_len}±{args.input_len_range:g}, output {args.output_len}"
         f"±{args.output_len_range:g}, rate {fmt(args.request_rate)}, concurrency "
-        f"{args.concurrency or 'unbounded'}"
+        f"{args.concurrency or 'unbounded'}, {args.sampling} sampling"
     )
     text = report(summary, roof)
     payload = {
