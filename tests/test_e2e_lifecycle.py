@@ -148,7 +148,13 @@ def test_a_first_start_fills_the_bytecode_cache_beside_the_tree_and_leaves_nothi
         log = server.log()
         found = re.search(r"filling it with the workers' imports on 2 processes \(pid (\d+)\)", log)
         assert found, log[-3000:]
-        assert "bytecode cache: " in log
+        # The launcher notes the filling once the frontend's ready message reaches it, which
+        # may be just after the port answers.
+        deadline = time.monotonic() + 30
+        while "bytecode cache: " not in log and time.monotonic() < deadline:
+            time.sleep(0.1)
+            log = server.log()
+        assert "bytecode cache: " in log, log[-3000:]
         done = marker(str(cache / "bytecode"))
         deadline = time.monotonic() + 120
         while not os.path.exists(done) and time.monotonic() < deadline:
