@@ -18,6 +18,7 @@ from frontend_proc import jsonutil, routes_misc
 from frontend_proc.engine_client import EngineClientProtocol
 from frontend_proc.errors import INVALID_REQUEST, SERVER_ERROR, APIError, error_body, invalid
 from frontend_proc.gate import make_gate, retry_after
+from frontend_proc.sampling_defaults import SamplingDefaults
 from frontend_proc.server_state import ServerState
 from frontend_proc.serving_chat import create_chat_completion
 from frontend_proc.serving_common import ServingContext, json_response
@@ -157,6 +158,7 @@ def create_app(
         engine=engine,
         reasoning=reasoning,
         vocab_size=config.model.vocab_size if config.model is not None else None,
+        sampling_defaults=SamplingDefaults.from_dict(config.sampling_defaults),
     )
     app[STATE_KEY] = state
     app[TOKENIZER_KEY] = tokenizer

@@ -25,6 +25,7 @@ from frontend_proc.fields import (
 )
 from frontend_proc.messages import parse_messages
 from frontend_proc.prompts import Prompt, parse_prompt
+from frontend_proc.sampling_defaults import SamplingDefaults, read_setting
 from pegainfer.protocol import SamplingParams
 
 # The most choices one request may ask for, as OpenAI allows.
@@ -34,6 +35,7 @@ MAX_LOGPROBS = 20
 # Chat without max_tokens: "fill the remaining context", resolved by the tokenizer process.
 FILL_CONTEXT = -1
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+NEUTRAL_DEFAULTS = SamplingDefaults()
 
 
 @dataclass
@@ -88,14 +90,17 @@ def _model(body: dict[str, Any], served_model_name: str) -> str:
     return model
 
 
-def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
-    top_k = get_int(body, "top_k", -1, lo=-1, hi=MAX_INT32)
+def _sampling(body: dict[str, Any], max_tokens: int, defaults: SamplingDefaults) -> SamplingParams:
+    def setting(name: str) -> Any:
+        value = read_setting(body, name)
+        return getattr(defaults, name) if value is None else value
+
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=get_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
-        top_p=get_float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        top_k=-1 if top_k == 0 else top_k,  # 0 and -1 both mean "off"
-        min_p=get_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        temperature=setting("temperature"),
+        top_p=setting("top_p"),
+        top_k=setting("top_k"),
+        min_p=setting("min_p"),
         seed=get_int(body, "seed", None, lo=MIN_SEED, hi=MAX_SEED),
         min_tokens=get_int(body, "min_tokens", 0, lo=0, hi=MAX_INT32),
         ignore_eos=get_bool(body, "ignore_eos", False),
@@ -104,14 +109,16 @@ def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
         presence_penalty=get_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=get_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        repetition_penalty=get_float(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
+        repetition_penalty=setting("repetition_penalty"),
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
     )
 
 
-def _common(body: dict[str, Any], served_model_name: str, max_tokens: int) -> CommonOptions:
+def _common(
+    body: dict[str, Any], served_model_name: str, max_tokens: int, defaults: SamplingDefaults
+) -> CommonOptions:
     model = _model(body, served_model_name)
-    sampling = _sampling(body, max_tokens)
+    sampling = _sampling(body, max_tokens, defaults)
     if max_tokens != FILL_CONTEXT and sampling.min_tokens > max_tokens:
         raise invalid(
             f"'min_tokens' ({sampling.min_tokens}) must not exceed 'max_tokens' ({max_tokens})",
@@ -136,13 +143,15 @@ def _common(body: dict[str, Any], served_model_name: str, max_tokens: int) -> Co
     )
 
 
-def parse_completion_request(body: Any, served_model_name: str) -> CompletionRequest:
+def parse_completion_request(
+    body: Any, served_model_name: str, defaults: SamplingDefaults = NEUTRAL_DEFAULTS
+) -> CompletionRequest:
     body = require_object(body)
     if body.get("prompt") is None:
         raise invalid("'prompt' is required", "prompt")
     prompts = parse_prompt(body["prompt"])
     max_tokens = get_int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1, hi=MAX_INT32)
-    common = _common(body, served_model_name, max_tokens)
+    common = _common(body, served_model_name, max_tokens, defaults)
     logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
     common.sampling.logprobs = logprobs
     echo = get_bool(body, "echo", False)
@@ -165,7 +174,9 @@ def parse_completion_request(body: Any, served_model_name: str) -> CompletionReq
     )
 
 
-def parse_chat_request(body: Any, served_model_name: str) -> ChatCompletionRequest:
+def parse_chat_request(
+    body: Any, served_model_name: str, defaults: SamplingDefaults = NEUTRAL_DEFAULTS
+) -> ChatCompletionRequest:
     body = require_object(body)
     if body.get("messages") is None:
         raise invalid("'messages' is required", "messages")
@@ -173,7 +184,7 @@ def parse_chat_request(body: Any, served_model_name: str) -> ChatCompletionReque
     max_tokens = get_int(body, "max_tokens", FILL_CONTEXT, lo=1, hi=MAX_INT32)
     # The newer name wins: OpenAI deprecated max_tokens for chat in its favour.
     max_tokens = get_int(body, "max_completion_tokens", max_tokens, lo=1, hi=MAX_INT32)
-    common = _common(body, served_model_name, max_tokens)
+    common = _common(body, served_model_name, max_tokens, defaults)
     logprobs = get_bool(body, "logprobs", False)
     top_logprobs = get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs is not None and not logprobs:

@@ -18,6 +18,7 @@ from frontend_proc.engine_client import EngineClientProtocol
 from frontend_proc.errors import SERVER_ERROR, APIError
 from frontend_proc.fanout import FanOut
 from frontend_proc.logprobs import PromptLogprobs, TokenEntry, entries
+from frontend_proc.sampling_defaults import SamplingDefaults
 from pegainfer.protocol import SamplingParams, TextDelta, unpack_ids
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class ServingContext:
     created: int = field(default_factory=lambda: int(time.time()))
     reasoning: bool = False  # split <think> blocks into reasoning_content
     vocab_size: int | None = None  # the model's, when the config names it
+    # What a request's omitted sampling fields become (--generation-config).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 @dataclass

@@ -6,6 +6,7 @@ import argparse
 import re
 import sys
 
+from frontend_proc.sampling_defaults import parse_override
 from pegainfer.config import EngineConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -38,6 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    model.add_argument(
+        "--generation-config",
+        default="auto",
+        help="default sampling settings of requests that leave them out: 'auto' reads the "
+        "model's generation_config.json (temperature, top_p, top_k, min_p, "
+        "repetition_penalty), 'none' keeps the API's (temperature 1, no filters), or a "
+        "folder or file to read instead",
+    )
+    model.add_argument(
+        "--override-generation-config",
+        default="",
+        help="JSON object of default sampling settings, over the file's, e.g. '{\"temperature\": 0.7}'",
     )
     model.add_argument(
         "--max-model-len",
@@ -154,6 +168,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             raise SystemExit(f"pegainfer: --{name.replace('_', '-')} must be at least 1")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise SystemExit("pegainfer: --gpu-memory-utilization must be in (0, 1]")
+    try:
+        override = parse_override(args.override_generation_config)
+    except ValueError as exc:
+        raise SystemExit(f"pegainfer: {exc}") from None
     return EngineConfig(
         model_path=args.model_path or "",
         served_model_name=args.served_model_name or "",
@@ -173,6 +191,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         no_overlap=args.no_overlap,
         seed=args.seed,
+        generation_config=args.generation_config,
+        generation_config_override=override,
         log_level=args.log_level,
         **node_options(args),
     )

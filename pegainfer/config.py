@@ -58,6 +58,12 @@ class EngineConfig:
     enforce_eager: bool = False
     no_overlap: bool = False  # one step in flight: plan only after the last result
     seed: int = 0
+    # Where a request's omitted sampling fields come from: "auto" (the model's
+    # generation_config.json), "none", or a path; the override's settings win over the file's.
+    generation_config: str = "auto"
+    generation_config_override: dict[str, Any] = field(default_factory=dict)
+    # Set by the launcher: the resolved defaults that differ from the API's neutral ones.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     log_level: str = "info"
     run_dir: str = ""
     num_kv_blocks: int = 0  # set by the launcher: the fewest any worker rank reported

@@ -22,6 +22,7 @@ import time
 
 import zmq
 
+from frontend_proc.sampling_defaults import resolve_sampling_defaults
 from pegainfer import ipc, lifecycle, multinode, protocol
 from pegainfer.bytecode_cache import (
     BYTECODE_CACHE_ENV,
@@ -255,6 +256,11 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
     config.model = read_model_info(config.model_path)
     if not config.served_model_name:
         config.served_model_name = os.path.basename(config.model_path.rstrip("/"))
+    config.sampling_defaults, notes = resolve_sampling_defaults(
+        config.generation_config, config.model_path, config.generation_config_override
+    )
+    for note in notes:
+        logger.info("%s", note)
     return finalize(config)
 
 
