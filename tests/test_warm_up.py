@@ -41,11 +41,20 @@ class CountingRunner(ModelRunner):
         super().submit(plan)
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 2, 8])
-def test_warm_up_leaves_the_runner_as_it_was(checkpoint, max_num_seqs):
-    config = engine_config(checkpoint, max_num_seqs=max_num_seqs)
+# The server's defaults from a model's generation_config.json: none, or Qwen3's with a
+# repetition penalty (the top-k candidate path and the penalty table).
+QWEN3_DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "defaults"), [(1, {}), (2, {}), (8, {}), (2, QWEN3_DEFAULTS)]
+)
+def test_warm_up_leaves_the_runner_as_it_was(checkpoint, max_num_seqs, defaults):
+    config = engine_config(checkpoint, max_num_seqs=max_num_seqs, sampling_defaults=defaults)
     cold = ModelRunner(config)
-    warm = CountingRunner(engine_config(checkpoint, max_num_seqs=max_num_seqs))
+    warm = CountingRunner(
+        engine_config(checkpoint, max_num_seqs=max_num_seqs, sampling_defaults=defaults)
+    )
     capacity = warm.slots.capacity
 
     assert warm_up.warm_up_step_path(warm) > 0
@@ -53,7 +62,9 @@ def test_warm_up_leaves_the_runner_as_it_was(checkpoint, max_num_seqs):
     assert warm.slots.capacity == capacity and warm.slots.num_free == capacity
     # Both sampling paths ran, and a mixed step where the batch has room for one.
     sampled = [n.sampling for p in warm.plans for n in p.new_seqs]
-    assert all(s in sampled for s in warm_up.SAMPLINGS)
+    samplings = warm_up.warm_up_samplings(defaults)
+    assert all(s in sampled for s in samplings)
+    assert (samplings[1].top_k == 20) == bool(defaults)
     mixed = any(p.new_seqs and len(p.seq_ids) > 4 * len(p.new_seqs) for p in warm.plans)
     assert mixed == (max_num_seqs > 1)
 
@@ -61,6 +72,12 @@ def test_warm_up_leaves_the_runner_as_it_was(checkpoint, max_num_seqs):
     expected = drive(cold, requests, in_flight=2, max_num_seqs=max_num_seqs)[:2]
     assert drive(warm, requests, in_flight=2, max_num_seqs=max_num_seqs)[:2] == expected
     assert all(len(tokens) == 9 for tokens in expected[0].values())
+
+
+def test_the_warm_up_samples_plainly_where_the_defaults_are_greedy():
+    greedy, sampled = warm_up.warm_up_samplings({"temperature": 0.0, "top_k": 20})
+    assert greedy.temperature == 0.0
+    assert sampled == warm_up.PLAIN_SAMPLED and sampled.temperature == 1.0
 
 
 def test_warm_up_skipped_when_the_kv_cache_is_too_small(checkpoint):

@@ -72,11 +72,14 @@ def _request_body(rng: random.Random) -> tuple[str, dict]:
     common = {"max_tokens": max_tokens, "temperature": rng.choice([0, 0.7, 1.0]), "stream": stream}
     # Each sampling path of the worker: Qwen3's settings (top-k candidates), penalties (a
     # row of token counts held while the request lives), seeds.
+    # And none at all: the server's defaults (the model's generation_config.json).
     kind = rng.random()
     if kind < 0.25:
         common.update(temperature=0.6, top_p=0.95, top_k=20)
     elif kind < 0.4:
         common.update(presence_penalty=rng.choice([0.5, 1.5]), frequency_penalty=0.3)
+    elif kind < 0.5:
+        del common["temperature"]
     if rng.random() < 0.2:
         common["seed"] = rng.randrange(2**31)
     if stream and rng.random() < 0.5:

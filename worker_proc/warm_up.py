@@ -7,17 +7,18 @@ input copies, the sampler's own. Each first launch of such an op loads its modul
 a request's time to first token; on an H200 the first new sequence's block-table write alone
 took 13.5 ms, and the first 1,024-token prompt 29-38 ms against 14-15 for the next.
 
-The requests take the paths of a greedy request and of a plain sampled one (temperature 1,
-the API's default), as a serving step does: a prefill through a graph where one fits, two
-steps in flight so that the next step reads a token still on the device, a decode step and
-a mixed step, in batches of at most ``max_num_seqs``. A loaded module stays resident in the
-worker's host memory, so the rarer paths are left to their first request: with top-k,
-top-p and min-p, a seed, penalties and prompt logprobs warmed too, the idle tree's PSS grew
-from 1,369 to 1,632 MB (Qwen3-4B shape, H200), past its 1.5 GB target; these two paths cost
-22 MB. Their first use cost about 25-50 ms each (top-p 44 ms, min-p 37, penalties 52,
-logprobs 27), measured before the sampler drew every row by the race kernel: a seeded
-row without filters now takes the warmed path, and the others' first uses were not
-measured again.
+The requests take the paths of a greedy request and of one that names no sampling field
+(the server's defaults: temperature 1 with no filters, or the model's own settings from its
+generation_config.json, such as Qwen3's top-k candidates), as a serving step does: a prefill
+through a graph where one fits, two steps in flight so that the next step reads a token
+still on the device, a decode step and a mixed step, in batches of at most
+``max_num_seqs``. A loaded module stays resident in the worker's host memory, so the rarer
+paths are left to their first request: with top-k, top-p and min-p, a seed, penalties and
+prompt logprobs warmed too, the idle tree's PSS grew from 1,369 to 1,632 MB (Qwen3-4B shape,
+H200), past its 1.5 GB target; the greedy and plain sampled paths cost 22 MB. The others'
+first use cost about 25-50 ms each (top-p 44 ms, min-p 37, penalties 52, logprobs 27),
+measured before the sampler drew every row by the race kernel: a seeded row without
+filters now takes the warmed path, and the others' first uses were not measured again.
 
 They use KV blocks from 0 up: at start-up the scheduler holds none, and a sequence writes
 its blocks before it reads them. Every sequence is freed again, and the sampler's call count
@@ -29,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +41,7 @@ from pegainfer.protocol import (
     StepPlan,
     pack_ids,
 )
+from worker_proc.sampler import is_greedy
 
 if TYPE_CHECKING:
     from worker_proc.model_runner import ModelRunner
@@ -51,11 +53,16 @@ logger = logging.getLogger(__name__)
 FIRST_SEQ_ID = 1 << 30
 PROMPT_TOKENS = 12
 
-# A greedy request and a sampled one (no filters, no seed: the API's defaults).
-SAMPLINGS = (
-    SamplingParams(max_tokens=4, temperature=0.0),
-    SamplingParams(max_tokens=4, temperature=1.0),
-)
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+PLAIN_SAMPLED = SamplingParams(max_tokens=4, temperature=1.0)
+
+
+def warm_up_samplings(defaults: dict[str, Any]) -> tuple[SamplingParams, SamplingParams]:
+    """A greedy request and one that names no sampling field: the server's defaults
+    (``EngineConfig.sampling_defaults``, from the model's generation_config.json; Qwen3's
+    take the top-k candidate path), or plain temperature 1 where those are greedy."""
+    default = SamplingParams(max_tokens=4, **defaults)
+    return GREEDY, PLAIN_SAMPLED if is_greedy(default) else default
 
 
 class _Steps:
@@ -112,17 +119,18 @@ def warm_up_step_path(runner: ModelRunner) -> float:
     the KV cache is too small to hold them)."""
     started = time.monotonic()
     steps = _Steps(runner)
+    samplings = warm_up_samplings(runner.config.sampling_defaults)
     prompt_len = max(1, min(PROMPT_TOKENS, runner.config.max_model_len - 3))
     max_num_seqs = max(1, runner.config.max_num_seqs)
     # A mixed step (a group decoding beside one more prompt) where the batch has room.
-    group_size = max(1, min(max_num_seqs - 1, len(SAMPLINGS)))
+    group_size = max(1, min(max_num_seqs - 1, len(samplings)))
     mixed = group_size < max_num_seqs
     if steps.blocks_needed(group_size + int(mixed), prompt_len) > runner.num_kv_blocks:
         logger.info("start-up warm-up skipped: the KV cache has too few blocks")
         return 0.0
     with torch.inference_mode():
-        for first in range(0, len(SAMPLINGS), group_size):
-            group = [steps.new(s, prompt_len) for s in SAMPLINGS[first : first + group_size]]
+        for first in range(0, len(samplings), group_size):
+            group = [steps.new(s, prompt_len) for s in samplings[first : first + group_size]]
             ids = [n.seq_id for n, _ in group]
             steps.submit(new=group)
             # Submitted before the prefill's tokens reach the host, as in serving: the
@@ -130,7 +138,7 @@ def warm_up_step_path(runner: ModelRunner) -> float:
             steps.submit(decode=ids)
             finished = list(ids)
             if mixed:
-                extra = steps.new(SAMPLINGS[0], prompt_len)
+                extra = steps.new(GREEDY, prompt_len)
                 steps.submit(new=[extra], decode=ids)
                 finished.append(extra[0].seq_id)
             runner.poll_results(wait=True)
