@@ -146,7 +146,10 @@ def fill_kv_cache(host: str, port: int, total_tokens: int, api_key: str | None) 
     sent = 0
     while sent < total_tokens:
         count = min(400, total_tokens - sent)
-        prompt = " ".join(rng.choice(words) + str(rng.randint(0, 99)) for _ in range(count // 3))
+        # About three tokens a word; at least one word, or the last few tokens would be an
+        # empty prompt.
+        words_needed = max(1, count // 3)
+        prompt = " ".join(rng.choice(words) + str(rng.randint(0, 99)) for _ in range(words_needed))
         body = json.dumps({"prompt": prompt, "max_tokens": 1})
         conn = http.client.HTTPConnection(host, port, timeout=600)
         try:
