@@ -424,3 +424,50 @@ def test_benchmark_requests_take_the_presets_sampling():
         for field, value in settings[j % len(settings)].items():
             assert getattr(request.sampling, field) == value
         assert request.sampling.max_tokens == 4 and request.sampling.ignore_eos
+
+
+def test_the_serving_client_leaves_out_the_fields_the_server_should_default():
+    """`bench_serving --sampling server` sends no sampling field, as `vllm bench serve` does,
+    so that the server's defaults (its model's generation_config.json) apply."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from tools.bench_client import stream_completion
+    from tools.bench_serving import request_sampling
+
+    bodies: list[dict] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        bodies.append(await request.json())
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        await response.write(b'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\n')
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def go() -> list:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                return [
+                    await stream_completion(session, url, "m", [1, 2], 1, extra=extra)
+                    for extra in (*request_sampling("server"), *request_sampling("qwen3"))
+                ]
+        finally:
+            await runner.cleanup()
+
+    results = asyncio.run(go())
+    assert all(r.ok and r.output_tokens == 1 for r in results)
+    server_defaults, qwen3 = bodies
+    assert not {"temperature", "top_p", "top_k"} & set(server_defaults)
+    assert server_defaults["max_tokens"] == 1 and server_defaults["ignore_eos"] is True
+    assert (qwen3["temperature"], qwen3["top_p"], qwen3["top_k"]) == (0.6, 0.95, 20)

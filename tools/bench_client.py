@@ -117,6 +117,8 @@ async def stream_completion(
         "stream_options": {"include_usage": True},
         **(extra or {}),
     }
+    # A field set to None is left out: the server's default applies.
+    body = {name: value for name, value in body.items() if value is not None}
     result = RequestResult(ok=False, prompt_len=len(prompt))
     result.start = time.perf_counter()
     last = result.start

@@ -61,6 +61,15 @@ from tools.bench_sampler import PRESETS as SAMPLING_PRESETS
 
 # The latencies of a run's summary, each mean, p50, p90 and p99 in ms.
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+# --sampling's choice of sending no sampling field, as `vllm bench serve` does.
+SERVER_DEFAULTS = "server"
+
+
+def request_sampling(choice: str) -> list[dict[str, Any]]:
+    """Each request's sampling fields; a None field is left out of the request."""
+    if choice == SERVER_DEFAULTS:
+        return [{"temperature": None}]
+    return SAMPLING_PRESETS[choice]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,10 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--sampling",
-        choices=list(SAMPLING_PRESETS),
+        choices=[*SAMPLING_PRESETS, SERVER_DEFAULTS],
         default="greedy",
         help="the requests' sampling settings (tools/bench_sampler.py's presets; qwen3: "
-        "temperature 0.6, top-p 0.95, top-k 20)",
+        "temperature 0.6, top-p 0.95, top-k 20; server: no sampling field, so the server's "
+        "defaults, e.g. the model's generation_config.json)",
     )
     p.add_argument("--model-path", default=None, help="checkpoint dir, for the roofline")
     p.add_argument(
@@ -270,7 +280,7 @@ def run_benchmark(
                 max_duration=args.max_duration,
                 request_timeout=args.request_timeout,
                 on_done=lambda _: bar.update(1),
-                sampling=SAMPLING_PRESETS[args.sampling],
+                sampling=request_sampling(args.sampling),
             )
         finally:
             bar.close()
