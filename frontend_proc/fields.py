@@ -116,6 +116,41 @@ def get_int_list(body: dict[str, Any], name: str, lo: int = 0, hi: int = MAX_INT
     return list(value)
 
 
+# A bias at or beyond these bounds already bans or forces a token (OpenAI's range).
+MAX_LOGIT_BIAS = 100.0
+
+
+def get_logit_bias(body: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """``logit_bias``, an object of token id (a decimal string, as JSON keys are) to a bias
+    in [-100, 100]: its ids ascending and their biases."""
+    value = body.get("logit_bias")
+    if value is None:
+        return [], []
+    if not isinstance(value, dict):
+        raise invalid(
+            f"'logit_bias' must be an object of token ids to biases, got {_type_name(value)}",
+            "logit_bias",
+        )
+    biases: dict[int, float] = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise invalid(f"'logit_bias' key {key!r} is not a token id", "logit_bias")
+        token_id = int(key)
+        if token_id > MAX_INT32:
+            raise invalid(f"'logit_bias' key {key!r} is not a token id", "logit_bias")
+        if token_id in biases:
+            raise invalid(f"'logit_bias' names token {token_id} twice", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise invalid(f"'logit_bias' of token {key} must be a number", "logit_bias")
+        if abs(bias) > MAX_LOGIT_BIAS:
+            raise invalid(
+                f"'logit_bias' of token {key} must be in [-100, 100], got {bias}", "logit_bias"
+            )
+        biases[token_id] = float(bias)
+    ids = sorted(biases)
+    return ids, [biases[token_id] for token_id in ids]
+
+
 def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
     """Every id must name a token; without a known vocabulary, it must at least be packable
     as int32 (ids travel packed)."""

@@ -86,6 +86,7 @@ class Preprocessor:
     def process(self, request: GenerateRequest) -> TokenizedRequest:
         """Raises APIError for anything the client must fix."""
         check_token_ids(request.sampling.stop_token_ids, self.vocab_size, "stop_token_ids")
+        check_token_ids(request.sampling.logit_bias_ids, self.vocab_size, "logit_bias")
         packed = self.prompt_ids(request)
         sampling = resolve_max_tokens(
             len(packed) // 4, request.sampling, self.max_model_len, request.messages is not None

@@ -2,7 +2,8 @@
 
 The result is a typed request carrying a ready ``SamplingParams``. Every problem is a 400
 ``APIError`` naming the offending field; unknown fields are ignored, since OpenAI clients
-send extras this server has no use for.
+send extras this server has no use for, but known ones it cannot honour are refused
+(frontend_proc/unsupported.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from frontend_proc.fields import (
     get_float,
     get_int,
     get_int_list,
+    get_logit_bias,
     get_object,
     get_stop,
     get_str,
@@ -26,6 +28,10 @@ from frontend_proc.fields import (
 from frontend_proc.messages import parse_messages
 from frontend_proc.prompts import Prompt, parse_prompt
 from frontend_proc.sampling_defaults import SamplingDefaults, read_setting
+from frontend_proc.unsupported import (
+    refuse_unsupported_chat_fields,
+    refuse_unsupported_completion_fields,
+)
 from pegainfer.protocol import SamplingParams
 
 # The most choices one request may ask for, as OpenAI allows.
@@ -95,6 +101,7 @@ def _sampling(body: dict[str, Any], max_tokens: int, defaults: SamplingDefaults)
         value = read_setting(body, name)
         return getattr(defaults, name) if value is None else value
 
+    bias_ids, bias_values = get_logit_bias(body)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=setting("temperature"),
@@ -111,6 +118,8 @@ def _sampling(body: dict[str, Any], max_tokens: int, defaults: SamplingDefaults)
         frequency_penalty=get_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         repetition_penalty=setting("repetition_penalty"),
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        logit_bias_ids=bias_ids,
+        logit_bias_values=bias_values,
     )
 
 
@@ -152,6 +161,7 @@ def parse_completion_request(
     prompts = parse_prompt(body["prompt"])
     max_tokens = get_int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1, hi=MAX_INT32)
     common = _common(body, served_model_name, max_tokens, defaults)
+    refuse_unsupported_completion_fields(body, common.n)
     logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
     common.sampling.logprobs = logprobs
     echo = get_bool(body, "echo", False)
@@ -181,6 +191,7 @@ def parse_chat_request(
     if body.get("messages") is None:
         raise invalid("'messages' is required", "messages")
     messages = parse_messages(body["messages"])
+    refuse_unsupported_chat_fields(body)
     max_tokens = get_int(body, "max_tokens", FILL_CONTEXT, lo=1, hi=MAX_INT32)
     # The newer name wins: OpenAI deprecated max_tokens for chat in its favour.
     max_tokens = get_int(body, "max_completion_tokens", max_tokens, lo=1, hi=MAX_INT32)

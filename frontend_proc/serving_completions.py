@@ -72,6 +72,7 @@ def checked_id_prompt(
     does every stop token id; the prompt fits the context window), here; returns the
     sampling settings with ``max_tokens`` resolved. Raises APIError (400)."""
     check_token_ids(request.sampling.stop_token_ids, ctx.vocab_size, "stop_token_ids")
+    check_token_ids(request.sampling.logit_bias_ids, ctx.vocab_size, "logit_bias")
     ids = unpack_ids(prompt)
     # The parse left no negative id, so one pass for the largest will do; the full check
     # then names the offender.

@@ -117,6 +117,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per sampled token; None: off
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # logit_bias: added to these tokens' logits before sampling (ids ascending, each once).
+    logit_bias_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -26,13 +26,15 @@ EOS_PROMPT = "Hello world"
 EOS_INDEX = 3  # the greedy output's token at this index becomes an EOS
 
 
-def greedy_ids(model_dir: str, prompt_ids: list[int], count: int) -> list[int]:
+def greedy_ids(model_dir: str, prompt_ids: list[int], count: int, **generate) -> list[int]:
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=count, do_sample=False)
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=count, do_sample=False, **generate
+        )
     return out[0, len(prompt_ids) :].tolist()
 
 
@@ -259,8 +261,8 @@ def test_stop_string_split_across_tokens(server, client, model, tokenizer):
     assert len(last) == 1 and last[0].finish_reason == "stop"
 
 
-def test_eos_min_tokens_and_ignore_eos(server, eos_model):
-    _, eos = eos_model
+def test_eos_min_tokens_and_ignore_eos(server, eos_model, tokenizer):
+    model_dir, eos = eos_model
     body = dict(prompt=EOS_PROMPT, max_tokens=10, temperature=0, return_token_ids=True)
     free = complete(server, **body, ignore_eos=True)["choices"][0]
     assert free["finish_reason"] == "length" and len(free["token_ids"]) == 10
@@ -270,9 +272,33 @@ def test_eos_min_tokens_and_ignore_eos(server, eos_model):
     assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] is None
     assert stopped["token_ids"] == free["token_ids"][: at + 1]
 
+    # Until min_tokens, EOS is never drawn: the next most likely token comes instead, as in
+    # HF generate's min_new_tokens (and vLLM).
     later = complete(server, **body, min_tokens=at + 2)["choices"][0]
-    assert len(later["token_ids"]) >= at + 2
-    assert later["token_ids"][: at + 1] == free["token_ids"][: at + 1]
+    ids = later["token_ids"]
+    assert len(ids) >= at + 2 and eos not in ids[: at + 1]
+    assert ids[:at] == free["token_ids"][:at]
+    prompt_ids = tokenizer.encode(EOS_PROMPT).ids
+    hf = greedy_ids(model_dir, prompt_ids, 10, min_new_tokens=at + 2, eos_token_id=[151645, eos])
+    assert ids == hf
+
+
+def test_logit_bias_bans_and_forces_tokens(server):
+    body = dict(prompt="Once upon", max_tokens=6, ignore_eos=True, return_token_ids=True)
+    plain = complete(server, **body, temperature=0)["choices"][0]["token_ids"]
+    banned = complete(server, **body, temperature=0, logit_bias={str(plain[0]): -100})
+    assert banned["choices"][0]["token_ids"][0] != plain[0]
+    # +100 forces a token greedy or sampled, alone or beside rows without a bias.
+    forced = dict(**body, logit_bias={"42": 100})
+    with ThreadPoolExecutor(3) as pool:
+        runs = [
+            pool.submit(complete, server, **forced, temperature=0),
+            pool.submit(complete, server, **forced, temperature=1.0, top_p=0.9, seed=5),
+            pool.submit(complete, server, **body, temperature=0),
+        ]
+        greedy, sampled, other = (run.result()["choices"][0]["token_ids"] for run in runs)
+    assert greedy == sampled == [42] * 6
+    assert other == plain
 
 
 def test_stop_token_ids_report_their_stop_reason(server):

@@ -239,6 +239,8 @@ SAMPLINGS = [
     {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.05},
     {"temperature": 1.0, "top_p": 0.9},
     {"temperature": 0.0, "presence_penalty": 1.0},
+    {"temperature": 0.0, "logit_bias_ids": [7, 11], "logit_bias_values": [-100.0, 3.0]},
+    {"temperature": 0.8, "top_k": 20, "min_tokens": 5, "stop_token_ids": [3]},
 ]
 
 
@@ -247,7 +249,8 @@ SAMPLINGS = [
 def test_serving_compiles_no_triton_kernel_after_start_up(checkpoint, monkeypatch):
     """Decode batches of every size to 20 and contexts past 16 and 32 blocks, prefill chunks
     of every length, and every way of sampling (greedy, temperature alone, top-k with and
-    without top-p and min-p, top-p alone, a penalty, a seed): each Triton variant they launch
+    without top-p and min-p, top-p alone, a penalty, a seed, a logit bias, a min_tokens
+    mask): each Triton variant they launch
     was compiled at start-up. One compiled later stalls the step that launched it
     (kernels/compile_watch.py)."""
     from kernels import compile_watch

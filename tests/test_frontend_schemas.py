@@ -289,3 +289,86 @@ def test_model_is_optional_and_null_means_absent():
     request = parse_chat_request({"messages": CHAT, "model": None, "temperature": None}, MODEL)
     assert request.model == MODEL
     assert request.sampling.temperature == 1.0
+
+
+def test_logit_bias_travels_as_sorted_ids_and_values():
+    body = completion(logit_bias={"17": 2, "3": -100, "200": 0.5})
+    sampling = parse_completion_request(body, MODEL).sampling
+    assert sampling.logit_bias_ids == [3, 17, 200]
+    assert sampling.logit_bias_values == [-100.0, 2.0, 0.5]
+    assert parse_completion_request(completion(), MODEL).sampling.logit_bias_ids == []
+
+
+@pytest.mark.parametrize(
+    "logit_bias",
+    [{"-1": 1}, {"1.5": 1}, {" 2": 1}, {"2": "up"}, {"2": True}, {"2": -100.5},
+     {"2": float("nan")}, {"2": 1, "02": 1}, {str(2**31): 1}, "x", [1]],
+)  # fmt: skip
+def test_bad_logit_bias_is_400(logit_bias):
+    with pytest.raises(APIError) as refused:
+        parse_completion_request(completion(logit_bias=logit_bias), MODEL)
+    assert refused.value.status == 400 and refused.value.param == "logit_bias"
+
+
+USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": USER, "tools": [TOOL]}, "tools"),
+        ({"messages": USER, "tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tool_choice"),
+        ({"messages": USER, "tools": "f"}, "tools"),
+        ({"messages": USER, "functions": [{"name": "f"}]}, "functions"),
+        ({"messages": USER, "function_call": "auto"}, "function_call"),
+        ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}},
+         "response_format"),
+        ({"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
+        ({"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ],
+)  # fmt: skip
+def test_chat_fields_that_cannot_be_honoured_are_refused(body, param):
+    with pytest.raises(APIError) as refused:
+        parse_chat_request(body, MODEL)
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [TOOL], "tool_choice": "none"},
+        {"tools": [], "tool_choice": "auto"},
+        {"tool_choice": "auto"},
+        {"response_format": {"type": "text"}},
+        {"modalities": ["text"]},
+        {"store": True, "metadata": {"a": "b"}, "parallel_tool_calls": False},
+    ],
+)
+def test_chat_fields_at_their_off_values_are_accepted(extra):
+    assert parse_chat_request({"messages": USER, **extra}, MODEL).messages
+
+
+@pytest.mark.parametrize(
+    ("extra", "ok"),
+    [
+        ({"suffix": "end"}, False),
+        ({"suffix": ""}, True),
+        ({"best_of": 3, "n": 2}, False),
+        ({"best_of": 1, "n": 2}, False),
+        ({"best_of": 2, "n": 2}, True),
+        ({"best_of": 1}, True),
+    ],
+)
+def test_completion_suffix_and_best_of(extra, ok):
+    body = completion(**extra)
+    if ok:
+        parse_completion_request(body, MODEL)
+        return
+    with pytest.raises(APIError) as refused:
+        parse_completion_request(body, MODEL)
+    assert refused.value.status == 400 and refused.value.param in extra

@@ -55,6 +55,7 @@ from worker_proc.layers.attention import bind_kv_caches
 from worker_proc.live_seqs import LiveSequences
 from worker_proc.live_seqs import PlanError as PlanError  # re-exported for callers
 from worker_proc.loader import load_model
+from worker_proc.logit_edits import StopMasks
 from worker_proc.logprobs import LogprobsCollector, wants_prompt_hidden
 from worker_proc.model_config import load_model_config
 from worker_proc.parallel_state import broadcast_from_rank0, init_distributed
@@ -158,6 +159,8 @@ class ModelRunner:
         )
         self.seqs = self.live.seqs  # seq_id -> SequenceState
         self.sampler = Sampler(self.device, config.seed, self.uploader)
+        eos_token_ids = config.model.eos_token_ids if config.model is not None else []
+        self.stop_masks = StopMasks(eos_token_ids, self.uploader)
         self.results = ResultQueue(self.device)
         self.logprobs = LogprobsCollector()  # only for sequences that ask
         self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
@@ -316,7 +319,12 @@ class ModelRunner:
         batch = self._sampling_batch(samplers)
         if self.rank == 0:
             tokens = self.sampler.sample(
-                logits, batch, sample_pos, self.penalties, greedy_tokens=greedy_tokens
+                logits,
+                batch,
+                sample_pos,
+                self.penalties,
+                greedy_tokens=greedy_tokens,
+                stop_mask=self.stop_masks.for_step(),
             )
         else:  # rank 0's tokens are the tokens; the others receive them (parallel_state)
             tokens = torch.empty(len(samplers), dtype=torch.int64, device=self.device)
@@ -338,6 +346,7 @@ class ModelRunner:
                 [s.penalty_row for s in samplers],
             )
             self._sampling_cache = (key, batch)
+            self.stop_masks.compose(samplers)
         return self._sampling_cache[1]
 
     def has_pending(self) -> bool:

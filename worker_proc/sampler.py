@@ -1,7 +1,9 @@
 """Batched sampling of the next token from float32 logits, on the device.
 
-Per row: repetition, presence and frequency penalties first (they apply to greedy rows
-too; from token counts kept on the device, worker_proc/penalties.py); then temperature below ``GREEDY_TEMPERATURE`` means greedy argmax; otherwise the logits
+Per row: ``logit_bias`` and the ``min_tokens`` mask first (worker_proc/logit_edits.py),
+then repetition, presence and frequency penalties (from token counts kept on the device,
+worker_proc/penalties.py); all apply to greedy rows too. Then temperature below
+``GREEDY_TEMPERATURE`` means greedy argmax; otherwise the logits
 are scaled by the inverse temperature, filtered by top-k, top-p and min-p (in that order,
 each on what the previous one left), and one token is drawn.
 
@@ -35,6 +37,7 @@ import kernels
 from kernels.sampling_candidates import race_candidates
 from kernels.sampling_race import race_rows
 from pegainfer.protocol import SamplingParams
+from worker_proc.logit_edits import TokenEdits, bias_edits
 from worker_proc.penalties import PenaltyTable, penalty_arrays
 from worker_proc.sampling_noise import (
     mix32,
@@ -121,6 +124,7 @@ class SamplingBatch:
     groups: list[RowGroup]
     penalised_rows: list[int]
     penalised: PenalisedRows | None = None
+    bias: TokenEdits | None = None  # the rows' logit_bias
 
     @property
     def num_rows(self) -> int:
@@ -194,8 +198,9 @@ class Sampler:
                 *penalty_arrays([params[i] for i in penalised]),
             ]
             penalised_rows = PenalisedRows(*self.uploader.upload(arrays, persistent=True))
+        bias = bias_edits(params, self.uploader)
         if all(greedy):
-            return SamplingBatch(params, True, None, [], penalised, penalised_rows)
+            return SamplingBatch(params, True, None, [], penalised, penalised_rows, bias)
         # 0: off. Greedy rows never use their filters.
         top_ks = [
             p.top_k if 0 < p.top_k < vocab_size and not g else 0 for p, g in zip(params, greedy)
@@ -222,7 +227,7 @@ class Sampler:
             group_tensors, tensors = tensors[:6], tensors[6:]
             whole = len(rows) == len(params)
             groups.append(_group(path, per_group[path], group_tensors, whole))
-        return SamplingBatch(params, False, greedy_mask, groups, penalised, penalised_rows)
+        return SamplingBatch(params, False, greedy_mask, groups, penalised, penalised_rows, bias)
 
     def _race(
         self, logits: torch.Tensor, group: RowGroup, positions: torch.Tensor, call_key: int
@@ -291,6 +296,7 @@ class Sampler:
         positions: torch.Tensor | None = None,
         penalties: PenaltyTable | None = None,
         greedy_tokens: torch.Tensor | None = None,
+        stop_mask: TokenEdits | None = None,
     ) -> torch.Tensor:
         """``logits [N, vocab]`` (the model's dtype or float32) -> token ids ``[N]`` int64
         on the device. Greedy rows take the argmax of the logits as they are (a float32 copy
@@ -300,8 +306,16 @@ class Sampler:
         when a row is seeded. ``penalties``: the table of the rows' token counts, needed
         when some row has a penalty; it counts the tokens drawn for those rows.
         ``greedy_tokens [N]``: the argmax of each row of ``logits`` where already taken
-        (the decode graph takes it), used unless a penalty changes the logits.
+        (the decode graph takes it), used unless an edit or a penalty changes the logits.
+        ``stop_mask``: this step's ``min_tokens`` mask (worker_proc/logit_edits.py); it and
+        the rows' ``logit_bias`` edit a float32 copy of the logits, before the penalties.
         """
+        edits = [edit for edit in (batch.bias, stop_mask) if edit is not None]
+        if edits:
+            logits = logits.to(torch.float32, copy=True)
+            for edit in edits:
+                edit.apply(logits)
+            greedy_tokens = None
         penalised = batch.penalised
         if penalised is not None:
             if penalties is None:

@@ -1,0 +1,149 @@
+"""Edits of a few logits of some rows before sampling: ``logit_bias`` and ``min_tokens``.
+
+A request's ``logit_bias`` adds its values to its tokens' logits at every step. A request
+whose output is still shorter than ``min_tokens`` cannot end it: its stop tokens (the
+model's EOS, unless ``ignore_eos``, and its ``stop_token_ids``) are set to -inf, so the
+sampler draws another token instead, as vLLM and HF ``generate`` (``min_new_tokens``) do.
+Both act on the raw logits, before the penalties and the temperature; the logprobs a
+request gets back are the model's own.
+
+An edit is sparse: ``[rows, n]`` token ids and values, padded per row with a repeat of its
+first id and a value that changes nothing (0 added, -inf set again). The bias is fixed for
+a batch's composition; the stop-token mask changes when a row reaches its ``min_tokens``,
+which the host knows at every step from the sequence's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from pegainfer.protocol import SamplingParams
+from worker_proc.upload import Uploader
+
+
+class SequenceLength(Protocol):
+    """What the mask reads of a sequence (worker_proc/batch.py's SequenceState)."""
+
+    sampling: SamplingParams
+    num_tokens: int
+    num_prompt_tokens: int
+
+
+@dataclass
+class TokenEdits:
+    """Logits of ``token_ids`` in batch rows ``batch_rows``: ``values`` added (``add``), or
+    written."""
+
+    batch_rows: torch.Tensor  # [r] int64
+    token_ids: torch.Tensor  # [r, n] int64
+    values: torch.Tensor  # [r, n] float32
+    add: bool
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Edit ``logits [N, vocab]`` (float32) in place."""
+        rows = self.batch_rows.unsqueeze(1).expand_as(self.token_ids)
+        # Padding repeats an id with 0 added, or -inf written again: each real edit counts once.
+        logits.index_put_((rows, self.token_ids), self.values, accumulate=self.add)
+
+
+def _padded(
+    rows: Sequence[int],
+    ids: Sequence[Sequence[int]],
+    values: Sequence[Sequence[float]] | None,
+    pad_value: float,
+) -> list[np.ndarray]:
+    """Rows, ids and values as arrays (values None: every one ``pad_value``)."""
+    width = max(len(row_ids) for row_ids in ids)
+    id_array = np.empty((len(rows), width), dtype=np.int64)
+    value_array = np.full((len(rows), width), pad_value, dtype=np.float32)
+    for i, row_ids in enumerate(ids):
+        id_array[i, : len(row_ids)] = row_ids
+        id_array[i, len(row_ids) :] = row_ids[0]
+        if values is not None:
+            value_array[i, : len(row_ids)] = values[i]
+    return [np.asarray(rows, dtype=np.int64), id_array, value_array]
+
+
+def bias_edits(params: Sequence[SamplingParams], uploader: Uploader) -> TokenEdits | None:
+    """The ``logit_bias`` of every row that has one, or None."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias_ids]
+    if not rows:
+        return None
+    ids = [params[i].logit_bias_ids for i in rows]
+    values = [params[i].logit_bias_values for i in rows]
+    arrays = _padded(rows, ids, values, 0.0)
+    return TokenEdits(*uploader.upload(arrays, persistent=True), add=True)
+
+
+def stop_token_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
+    """The tokens that would end the request: its stop token ids and, unless it ignores
+    EOS, the model's."""
+    ids = list(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids += [token for token in eos_token_ids if token not in ids]
+    return ids
+
+
+def needs_stop_mask(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether the token drawn after ``num_output_tokens`` output tokens must not stop the
+    request: it would be output number ``num_output_tokens + 1``."""
+    return num_output_tokens + 1 < params.min_tokens
+
+
+def stop_mask_edits(
+    rows: Sequence[int], stop_ids: Sequence[Sequence[int]], uploader: Uploader
+) -> TokenEdits | None:
+    """-inf at each row's stop tokens (rows with none left out), or None."""
+    kept = [(row, ids) for row, ids in zip(rows, stop_ids, strict=True) if ids]
+    if not kept:
+        return None
+    arrays = _padded([row for row, _ in kept], [ids for _, ids in kept], None, float("-inf"))
+    return TokenEdits(*uploader.upload(arrays, persistent=True), add=False)
+
+
+class StopMasks:
+    """A batch's ``min_tokens`` masks, step by step. When the batch's composition changes the
+    runner hands over its rows (``compose``); each step then looks only at the rows with a
+    ``min_tokens``, and uploads a new mask only when the set still short of it changes."""
+
+    def __init__(self, eos_token_ids: Sequence[int], uploader: Uploader) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.uploader = uploader
+        self._rows: list[tuple[int, SequenceLength, list[int]]] = []
+        self._key: tuple[int, ...] = ()
+        self._edits: TokenEdits | None = None
+
+    def compose(self, rows: Sequence[SequenceLength]) -> None:
+        self._rows = []
+        for i, seq in enumerate(rows):
+            if seq.sampling.min_tokens > 1:
+                ids = stop_token_ids(seq.sampling, self.eos_token_ids)
+                if ids:
+                    self._rows.append((i, seq, ids))
+        self._key, self._edits = (), None
+
+    def for_step(self) -> TokenEdits | None:
+        """The mask of this step's draw (before the rows' lengths count its token)."""
+        if not self._rows:
+            return None
+        active = [
+            (i, ids)
+            for i, seq, ids in self._rows
+            if needs_stop_mask(seq.sampling, seq.num_tokens - seq.num_prompt_tokens)
+        ]
+        key = tuple(i for i, _ in active)
+        if key != self._key:
+            self._key = key
+            self._edits = (
+                stop_mask_edits([i for i, _ in active], [ids for _, ids in active], self.uploader)
+                if active
+                else None
+            )
+            if not active:
+                self._rows = []  # lengths only grow: no row needs a mask again
+        return self._edits
