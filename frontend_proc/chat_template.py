@@ -109,13 +109,14 @@ class ChatTemplate:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Render a conversation; any template error is the request's fault (400)."""
         variables: dict[str, Any] = {**self.special_tokens, **(chat_template_kwargs or {})}
         variables.update(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
-            tools=None,
+            tools=tools,
             documents=None,
         )
         try:

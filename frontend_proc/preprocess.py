@@ -13,6 +13,7 @@ from frontend_proc.chat_template import ChatTemplate
 from frontend_proc.errors import SERVER_ERROR, APIError, invalid
 from frontend_proc.fields import check_token_ids
 from frontend_proc.limits import resolve_max_tokens
+from frontend_proc.tool_calls import TEMPLATE_MARK
 from pegainfer.protocol import (
     GenerateRequest,
     ProtocolError,
@@ -52,18 +53,30 @@ class Preprocessor:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         chat_template_kwargs: dict[str, Any],
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if self.chat_template is None:
             raise invalid(
                 "this model has no chat template; use /v1/completions instead", "messages"
             )
-        return self.chat_template.render(messages, add_generation_prompt, chat_template_kwargs)
+        if tools and TEMPLATE_MARK not in self.chat_template.source:
+            raise invalid(
+                "this model's chat template has no tool-call format this server can parse "
+                "(<tool_call> blocks); send 'tool_choice': \"none\" or no tools",
+                "tools",
+            )
+        return self.chat_template.render(
+            messages, add_generation_prompt, chat_template_kwargs, tools
+        )
 
     def prompt_ids(self, request: GenerateRequest) -> bytes:
         """The prompt's token ids, packed (``pack_ids``)."""
         if request.messages is not None:
             text = self.render_chat(
-                request.messages, request.add_generation_prompt, request.chat_template_kwargs
+                request.messages,
+                request.add_generation_prompt,
+                request.chat_template_kwargs,
+                request.tools,
             )
             # The template already wrote every special token the model expects.
             return pack_ids(self.tokenizer.encode(text, add_special_tokens=False).ids)

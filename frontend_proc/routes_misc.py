@@ -15,6 +15,7 @@ from frontend_proc.messages import parse_messages
 from frontend_proc.server_state import ServerState, dead_reason
 from frontend_proc.serving_common import ServingContext, json_response, new_request_id
 from frontend_proc.tokenizer_calls import TokenizerService
+from frontend_proc.tool_calls import parse_tools
 from pegainfer.protocol import DetokenizeRequest, TokenizeRequest, pack_ids, unpack_ids
 
 
@@ -90,8 +91,10 @@ def tokenize_request(body: dict[str, Any]) -> TokenizeRequest:
     prompt = None
     chat_template_kwargs: dict[str, Any] = {}
     add_generation_prompt = True
+    tools = None
     if body.get("messages") is not None:
         messages = parse_messages(body["messages"])
+        tools = parse_tools(body)
         chat_template_kwargs = dict(get_object(body, "chat_template_kwargs") or {})
         add_generation_prompt = get_bool(body, "add_generation_prompt", True)
         # The template writes every special token the model expects.
@@ -109,6 +112,7 @@ def tokenize_request(body: dict[str, Any]) -> TokenizeRequest:
         add_generation_prompt=add_generation_prompt,
         add_special_tokens=add_special,
         return_token_strs=get_bool(body, "return_token_strs", False),
+        tools=tools,
     )
 
 

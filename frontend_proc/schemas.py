@@ -28,6 +28,7 @@ from frontend_proc.fields import (
 from frontend_proc.messages import parse_messages
 from frontend_proc.prompts import Prompt, parse_prompt
 from frontend_proc.sampling_defaults import SamplingDefaults, read_setting
+from frontend_proc.tool_calls import parse_tools
 from frontend_proc.unsupported import (
     refuse_unsupported_chat_fields,
     refuse_unsupported_completion_fields,
@@ -81,6 +82,7 @@ class ChatCompletionRequest:
     user: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # shown to the model, its calls parsed
 
 
 def require_object(body: Any) -> dict[str, Any]:
@@ -192,6 +194,7 @@ def parse_chat_request(
         raise invalid("'messages' is required", "messages")
     messages = parse_messages(body["messages"])
     refuse_unsupported_chat_fields(body)
+    tools = parse_tools(body)
     max_tokens = get_int(body, "max_tokens", FILL_CONTEXT, lo=1, hi=MAX_INT32)
     # The newer name wins: OpenAI deprecated max_tokens for chat in its favour.
     max_tokens = get_int(body, "max_completion_tokens", max_tokens, lo=1, hi=MAX_INT32)
@@ -215,4 +218,5 @@ def parse_chat_request(
         user=common.user,
         chat_template_kwargs=dict(kwargs or {}),
         add_generation_prompt=get_bool(body, "add_generation_prompt", True),
+        tools=tools,
     )

@@ -23,6 +23,12 @@ from frontend_proc.serving_common import (
     sub_request_id,
     usage,
 )
+from frontend_proc.tool_calls import (
+    ToolCallParser,
+    finish_reason,
+    split_tool_calls,
+    tool_call_deltas,
+)
 from pegainfer.protocol import GenerateRequest, TextDelta
 
 
@@ -38,6 +44,7 @@ def build_sub_requests(request_id: str, request: ChatCompletionRequest) -> list[
             add_generation_prompt=request.add_generation_prompt,
             sampling=sampling_for_choice(request.sampling, k),
             arrival_time=arrival_time,
+            tools=request.tools,
         )
         for k in range(request.n)
     ]
@@ -54,9 +61,18 @@ async def create_chat_completion(
 
     num_top = request.top_logprobs or 0
 
+    with_tools = request.tools is not None
+
     def message(state: ChoiceState) -> dict[str, Any]:
         reasoning, content = split_reasoning(state.text) if ctx.reasoning else (None, state.text)
-        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        fields: dict[str, Any] = {"role": "assistant", "content": content}
+        fields["reasoning_content"] = reasoning
+        if with_tools:
+            content, calls = split_tool_calls(content)
+            fields["content"] = content if content or not calls else None
+            fields["tool_calls"] = calls
+            state.finish_reason = finish_reason(state.finish_reason, calls)
+        return fields
 
     if not request.stream:
         async with FanOut(ctx.engine, subs) as fan:
@@ -64,7 +80,7 @@ async def create_chat_completion(
         choices = [
             {
                 "index": index,
-                "message": message(state),
+                "message": message(state),  # first: it may make the finish "tool_calls"
                 "logprobs": chat_logprobs(state.logprobs, num_top) if request.logprobs else None,
                 "finish_reason": state.finish_reason,
                 "stop_reason": state.stop_reason,
@@ -111,18 +127,27 @@ async def create_chat_completion(
         return [chunk(index, {"role": "assistant", "content": ""}) for index in range(len(subs))]
 
     parsers = [ReasoningParser() for _ in subs] if ctx.reasoning else None
+    tool_parsers = [ToolCallParser() for _ in subs] if with_tools else None
 
     def text_fields(index: int, delta: TextDelta) -> dict[str, Any]:
-        if parsers is None:
-            return {"content": delta.text} if delta.text else {}
-        reasoning, content = parsers[index].feed(delta.text)
-        if delta.finish_reason is not None:
-            more_reasoning, more_content = parsers[index].flush()
-            reasoning += more_reasoning
-            content += more_content
+        reasoning, content = "", delta.text
+        if parsers is not None:
+            reasoning, content = parsers[index].feed(delta.text)
+            if delta.finish_reason is not None:
+                more_reasoning, more_content = parsers[index].flush()
+                reasoning += more_reasoning
+                content += more_content
         fields: dict[str, Any] = {}
         if reasoning:
             fields["reasoning_content"] = reasoning
+        if tool_parsers is not None:
+            parser = tool_parsers[index]
+            first_index = len(parser.calls)
+            content, calls = parser.feed(content)
+            if delta.finish_reason is not None:
+                content += parser.flush()
+            if calls:
+                fields["tool_calls"] = tool_call_deltas(calls, first_index)
         if content:
             fields["content"] = content
         return fields
@@ -135,7 +160,10 @@ async def create_chat_completion(
             else None
         )
         if delta.finish_reason is not None:
-            return [chunk(index, fields, state.finish_reason, state.stop_reason, logprobs)]
+            reason = state.finish_reason
+            if tool_parsers is not None:
+                reason = finish_reason(reason, tool_parsers[index].calls)
+            return [chunk(index, fields, reason, state.stop_reason, logprobs)]
         if not fields and logprobs is None:
             return []
         return [chunk(index, fields, logprobs=logprobs)]

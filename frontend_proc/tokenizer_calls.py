@@ -48,7 +48,10 @@ def tokenize(preprocessor: Preprocessor, request: TokenizeRequest) -> TokenizeRe
     """Raises APIError for anything the client must fix."""
     if request.messages is not None:
         text = preprocessor.render_chat(
-            request.messages, request.add_generation_prompt, request.chat_template_kwargs
+            request.messages,
+            request.add_generation_prompt,
+            request.chat_template_kwargs,
+            request.tools,
         )
     elif request.prompt is not None:
         text = request.prompt

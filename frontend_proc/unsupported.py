@@ -2,10 +2,10 @@
 
 Unknown fields are ignored (clients send extras such as ``store`` or ``metadata`` that change
 nothing here). The fields below would change what the client gets back if they worked, so
-ignoring them would answer another question than the one asked: tool calls, structured
-output, audio, server-side best-of and insertion are not implemented. A field at its
-"off" value (``tool_choice: "none"``, ``response_format: {"type": "text"}``, ``best_of``
-equal to ``n``, an empty ``suffix`` or ``tools`` list) is accepted.
+ignoring them would answer another question than the one asked: structured output, audio,
+server-side best-of and insertion are not implemented (forced tool calls neither:
+frontend_proc/tool_calls.py). A field at its "off" value (``response_format: {"type":
+"text"}``, ``best_of`` equal to ``n``, an empty ``suffix``) is accepted.
 """
 
 from __future__ import annotations
@@ -30,24 +30,7 @@ def refuse_unsupported_completion_fields(body: dict[str, Any], n: int) -> None:
 
 
 def refuse_unsupported_chat_fields(body: dict[str, Any]) -> None:
-    tools = body.get("tools")
-    tool_choice = body.get("tool_choice")
-    if tools is not None and not isinstance(tools, list):
-        raise invalid("'tools' must be a list", "tools")
-    if tool_choice not in (None, "none", "auto"):
-        raise invalid(
-            'tool calling is not supported: \'tool_choice\' may only be "none" or "auto"',
-            "tool_choice",
-        )
-    if tools and tool_choice != "none":
-        raise invalid(
-            "tool calling is not supported: send 'tools' only with 'tool_choice': \"none\" "
-            "(the tools are then not shown to the model)",
-            "tool_choice" if tool_choice is not None else "tools",
-        )
-    for name in ("functions", "function_call"):
-        if body.get(name) is not None:
-            raise invalid(f"'{name}' (function calling) is not supported", name)
+    """Tools and tool_choice are checked by frontend_proc/tool_calls.py."""
     response_format = body.get("response_format")
     if response_format is not None:
         kind = response_format.get("type") if isinstance(response_format, dict) else None

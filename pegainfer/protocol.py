@@ -231,6 +231,7 @@ class GenerateRequest:
     add_generation_prompt: bool
     sampling: SamplingParams
     arrival_time: float
+    tools: list[dict[str, Any]] | None = None  # for the chat template
 
 
 @message(3)
@@ -394,6 +395,7 @@ class TokenizeRequest:
     add_generation_prompt: bool
     add_special_tokens: bool
     return_token_strs: bool
+    tools: list[dict[str, Any]] | None = None  # for the chat template
 
 
 @message(17)

@@ -283,6 +283,33 @@ def test_eos_min_tokens_and_ignore_eos(server, eos_model, tokenizer):
     assert ids == hf
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tools_reach_qwen3s_template(server, client, model):
+    """The tools are rendered into the prompt (the random model calls none of them: the
+    parsing of calls is tested against a scripted engine, tests/test_tool_calls.py)."""
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    common = dict(model=model, messages=messages, max_tokens=3, temperature=0)
+    plain = client.chat.completions.create(**common)
+    tools = client.chat.completions.create(**common, tools=[WEATHER_TOOL])
+    hidden = client.chat.completions.create(**common, tools=[WEATHER_TOOL], tool_choice="none")
+    assert tools.usage.prompt_tokens > plain.usage.prompt_tokens + 50
+    assert hidden.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert not tools.choices[0].message.tool_calls
+    status, counted = server.post("/tokenize", {"messages": messages, "tools": [WEATHER_TOOL]})
+    assert status == 200 and counted["count"] == tools.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(**common, tools=[WEATHER_TOOL], tool_choice="required")
+
+
 def test_logit_bias_bans_and_forces_tokens(server):
     body = dict(prompt="Once upon", max_tokens=6, ignore_eos=True, return_token_ids=True)
     plain = complete(server, **body, temperature=0)["choices"][0]["token_ids"]

@@ -317,9 +317,11 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"messages": USER, "tools": [TOOL]}, "tools"),
-        ({"messages": USER, "tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
         ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": USER, "tools": [{"type": "code", "function": {"name": "f"}}]}, "tools"),
+        ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f",
+          "parameters": []}}]}, "tools"),
         ({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}}},
          "tool_choice"),
         ({"messages": USER, "tools": "f"}, "tools"),
@@ -350,7 +352,13 @@ def test_chat_fields_that_cannot_be_honoured_are_refused(body, param):
     ],
 )
 def test_chat_fields_at_their_off_values_are_accepted(extra):
-    assert parse_chat_request({"messages": USER, **extra}, MODEL).messages
+    assert parse_chat_request({"messages": USER, **extra}, MODEL).tools is None
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto"])
+def test_tools_reach_the_request_unless_tool_choice_is_none(tool_choice):
+    body = {"messages": USER, "tools": [TOOL], "tool_choice": tool_choice}
+    assert parse_chat_request(body, MODEL).tools == [TOOL]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,157 @@
+"""Tool calls in the Hermes format (Qwen2.5, Qwen3): the template shows the tools, the
+<tool_call> blocks of the output become OpenAI tool_calls, whole or streamed, and the HTTP
+layer answers in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_chat_template import QWEN_DIR, needs_qwen
+from test_frontend_app import MODEL, FakeEngine, delta, run_with_client
+from test_tokenizer_proc import preprocessor, request  # noqa: F401 - a fixture
+
+from frontend_proc.chat_template import ChatTemplate
+from frontend_proc.preprocess import Preprocessor, handle
+from frontend_proc.tool_calls import ToolCallParser, finish_reason, split_tool_calls
+from pegainfer.protocol import RequestRejected
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+CALL_PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL_ROME = (
+    '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}\n</tool_call>'
+)
+OUTPUT = f"Let me look.\n{CALL_PARIS}\n{CALL_ROME}"
+
+
+def names_and_arguments(calls: list[dict]) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_a_whole_output_splits_into_content_and_calls():
+    content, calls = split_tool_calls(OUTPUT)
+    assert content == "Let me look."
+    assert names_and_arguments(calls) == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "Rome"}),
+    ]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    assert split_tool_calls("no calls here\n") == ("no calls here\n", [])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>\nnot json\n</tool_call>",
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',  # cut off
+        "a < b and <tool_ca",
+    ],
+)
+def test_what_is_not_a_call_stays_content(text):
+    assert split_tool_calls(text) == (text, [])
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 11, 64])
+def test_streamed_deltas_give_the_whole_outputs_result(size):
+    parser = ToolCallParser()
+    content, calls = "", []
+    for start in range(0, len(OUTPUT), size):
+        text, new = parser.feed(OUTPUT[start : start + size])
+        assert "<" not in text or "<tool_call>" not in OUTPUT[: start + size]
+        content += text
+        calls += new
+    content += parser.flush()
+    assert content.strip() == "Let me look."
+    assert names_and_arguments(calls) == names_and_arguments(split_tool_calls(OUTPUT)[1])
+    assert parser.calls == calls
+
+
+def test_the_finish_is_tool_calls_only_after_a_stop():
+    assert finish_reason("stop", [{"id": "x"}]) == "tool_calls"
+    assert finish_reason("length", [{"id": "x"}]) == "length"
+    assert finish_reason("stop", []) == "stop"
+
+
+@needs_qwen
+def test_the_qwen3_template_shows_the_tools(tmp_path):
+    from tokenizers import Tokenizer
+
+    template = ChatTemplate.load(QWEN_DIR)
+    tokenizer = Tokenizer.from_file(f"{QWEN_DIR}/tokenizer.json")
+    qwen = Preprocessor(tokenizer, template, 4096, 151936)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    text = qwen.render_chat(messages, True, {}, [WEATHER])
+    assert "<tools>" in text and '"name": "get_weather"' in text and "<tool_call>" in text
+    assert "<tools>" not in qwen.render_chat(messages, True, {})
+
+
+def test_a_template_without_the_call_format_refuses_tools(preprocessor):  # noqa: F811
+    outcome = handle(
+        preprocessor,
+        request(messages=[{"role": "user", "content": "hello"}], tools=[WEATHER]),
+    )
+    assert isinstance(outcome, RequestRejected)
+    assert (outcome.status, outcome.param) == (400, "tools")
+
+
+def chat_body(**extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], **extra}
+
+
+def tool_script(request):
+    pieces = [
+        "Let me look.\n<tool",
+        '_call>\n{"name": "get_weather", ',
+        '"arguments": {"city": "Paris"}}\n</tool_call>',
+    ]
+    return [delta(request.request_id, text) for text in pieces[:-1]] + [
+        delta(request.request_id, pieces[-1], "stop", completion_tokens=20)
+    ]
+
+
+def test_the_http_answer_has_tool_calls_whole_and_streamed():
+    engine = FakeEngine(tool_script)
+    bodies = {}
+
+    async def body(client):
+        request_body = chat_body(tools=[WEATHER], max_tokens=30)
+        response = await client.post("/v1/chat/completions", json=request_body)
+        bodies["whole"] = await response.json()
+        response = await client.post("/v1/chat/completions", json={**request_body, "stream": True})
+        bodies["stream"] = await response.text()
+        plain = await client.post("/v1/chat/completions", json=chat_body(max_tokens=30))
+        bodies["plain"] = await plain.json()
+
+    run_with_client(engine, body)
+    assert engine.requests[0].tools == [WEATHER]
+    choice = bodies["whole"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me look."
+    assert names_and_arguments(choice["message"]["tool_calls"]) == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    chunks = [
+        json.loads(line[len("data: ") :])
+        for line in bodies["stream"].splitlines()
+        if line.startswith("data: {")
+    ]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert content.strip() == "Let me look." and "<tool" not in content
+    streamed = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert [c["index"] for c in streamed] == [0]
+    assert names_and_arguments(streamed) == [("get_weather", {"city": "Paris"})]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # Without tools the same output is plain content.
+    plain = bodies["plain"]["choices"][0]
+    assert "<tool_call>" in plain["message"]["content"] and plain["finish_reason"] == "stop"
+    assert "tool_calls" not in plain["message"]
