@@ -15,7 +15,7 @@ THINK_END = "</think>"
 _BEFORE, _REASONING, _CONTENT = 0, 1, 2
 
 
-def _partial_tail(text: str, tag: str) -> int:
+def partial_tail(text: str, tag: str) -> int:
     """Length of the longest tail of ``text`` that is a proper prefix of ``tag``."""
     for length in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-length:]):
@@ -52,7 +52,7 @@ class ReasoningParser:
         if self._state == _REASONING:
             end = buffer.find(THINK_END)
             if end < 0:
-                keep = _partial_tail(buffer, THINK_END)
+                keep = partial_tail(buffer, THINK_END)
                 self._held = buffer[len(buffer) - keep :] if keep else ""
                 return buffer[: len(buffer) - keep], ""
             reasoning = buffer[:end]

@@ -23,6 +23,7 @@ import uuid
 from typing import Any
 
 from frontend_proc.errors import invalid
+from frontend_proc.reasoning import partial_tail
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -80,14 +81,6 @@ def _call(block: str) -> dict[str, Any] | None:
     }
 
 
-def _partial_tail(text: str, tag: str) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of ``tag``."""
-    for length in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
-
-
 class ToolCallParser:
     """The content of one choice, streamed: text passes through, tool-call blocks come out
     as calls once closed."""
@@ -121,7 +114,7 @@ class ToolCallParser:
                 continue
             start = buffer.find(CALL_START)
             if start < 0:
-                keep = _partial_tail(buffer, CALL_START)
+                keep = partial_tail(buffer, CALL_START)
                 content.append(buffer[: len(buffer) - keep])
                 self._held = buffer[len(buffer) - keep :]
                 break
