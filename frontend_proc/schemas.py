@@ -30,6 +30,9 @@ from frontend_proc.prompts import Prompt, parse_prompt
 from frontend_proc.sampling_defaults import SamplingDefaults, read_setting
 from frontend_proc.tool_calls import parse_tools
 from frontend_proc.unsupported import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    log_ignored_fields,
     refuse_unsupported_chat_fields,
     refuse_unsupported_completion_fields,
 )
@@ -164,6 +167,7 @@ def parse_completion_request(
     max_tokens = get_int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1, hi=MAX_INT32)
     common = _common(body, served_model_name, max_tokens, defaults)
     refuse_unsupported_completion_fields(body, common.n)
+    log_ignored_fields(body, COMPLETION_FIELDS)
     logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
     common.sampling.logprobs = logprobs
     echo = get_bool(body, "echo", False)
@@ -194,6 +198,7 @@ def parse_chat_request(
         raise invalid("'messages' is required", "messages")
     messages = parse_messages(body["messages"])
     refuse_unsupported_chat_fields(body)
+    log_ignored_fields(body, CHAT_FIELDS)
     tools = parse_tools(body)
     max_tokens = get_int(body, "max_tokens", FILL_CONTEXT, lo=1, hi=MAX_INT32)
     # The newer name wins: OpenAI deprecated max_tokens for chat in its favour.

@@ -1,7 +1,7 @@
 """Request fields this server cannot honour, refused with a 400 that names them.
 
 Unknown fields are ignored (clients send extras such as ``store`` or ``metadata`` that change
-nothing here). The fields below would change what the client gets back if they worked, so
+nothing here); the first request to carry one names it in the log. The fields below would change what the client gets back if they worked, so
 ignoring them would answer another question than the one asked: structured output, audio,
 server-side best-of and insertion are not implemented (forced tool calls neither:
 frontend_proc/tool_calls.py). A field at its "off" value (``response_format: {"type":
@@ -10,10 +10,13 @@ frontend_proc/tool_calls.py). A field at its "off" value (``response_format: {"t
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from frontend_proc.errors import invalid
 from frontend_proc.fields import get_int, get_str
+
+logger = logging.getLogger(__name__)
 
 
 def refuse_unsupported_completion_fields(body: dict[str, Any], n: int) -> None:
@@ -45,3 +48,31 @@ def refuse_unsupported_chat_fields(body: dict[str, Any]) -> None:
         modalities is not None and modalities != ["text"] and modalities != []
     ):
         raise invalid("audio output is not supported", "audio" if "audio" in body else "modalities")
+
+
+# Every field a request may carry that something here reads.
+_COMMON_FIELDS = frozenset(
+    (
+        "model max_tokens temperature top_p top_k min_p seed min_tokens ignore_eos "
+        "stop_token_ids stop include_stop_str_in_output presence_penalty frequency_penalty "
+        "repetition_penalty skip_special_tokens logit_bias n stream stream_options user"
+    ).split()
+)
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "return_token_ids"}
+COMPLETION_FIELDS |= {"suffix", "best_of"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_FIELDS |= {"chat_template_kwargs", "add_generation_prompt", "tools", "tool_choice"}
+CHAT_FIELDS |= {"functions", "function_call", "response_format", "audio", "modalities"}
+# OpenAI fields that change nothing a server like this one returns.
+_NO_EFFECT = frozenset(("store", "metadata", "service_tier", "parallel_tool_calls"))
+_logged: set[str] = set()
+
+
+def log_ignored_fields(body: dict[str, Any], known: frozenset[str]) -> None:
+    """Name, once per process and field, a request field that is ignored: what a client
+    expected of it did not happen, and the log should say so."""
+    for name in body.keys() - known - _NO_EFFECT - _logged:
+        if len(_logged) >= 1000:  # a client inventing names cannot grow this without end
+            return
+        _logged.add(name)
+        logger.warning("ignoring the request field %r, which this server does not use", name)

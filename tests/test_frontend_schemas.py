@@ -380,3 +380,14 @@ def test_completion_suffix_and_best_of(extra, ok):
     with pytest.raises(APIError) as refused:
         parse_completion_request(body, MODEL)
     assert refused.value.status == 400 and refused.value.param in extra
+
+
+def test_ignored_fields_are_named_in_the_log_once(caplog):
+    body = {"messages": USER, "x_test_field": 1, "store": True, "temperature": 0.5}
+    with caplog.at_level("WARNING", logger="frontend_proc.unsupported"):
+        parse_chat_request(body, MODEL)
+        parse_chat_request(body, MODEL)
+        parse_completion_request({"prompt": "x", "x_test_other": 2, "echo": False}, MODEL)
+    named = [r.getMessage() for r in caplog.records]
+    assert len(named) == 2
+    assert "'x_test_field'" in named[0] and "'x_test_other'" in named[1]
