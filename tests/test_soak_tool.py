@@ -59,6 +59,9 @@ def test_the_mix_takes_every_sampling_path_and_some_invalid_requests():
     candidates = [b for b in valid if b.get("top_k") == 20]
     penalised = [b for b in valid if "presence_penalty" in b]
     seeded = [b for b in valid if "seed" in b]
-    for share in (defaults, candidates, penalised, seeded):
-        assert len(share) > 100
+    edited = [b for b in valid if "logit_bias" in b and "min_tokens" in b]
+    tools = [b for b in valid if "tools" in b]
+    for share in (defaults, candidates, penalised, seeded, edited, tools):
+        assert len(share) > 40
+    assert all(b["min_tokens"] <= b["max_tokens"] for b in edited)
     assert not any("top_k" in b or "presence_penalty" in b for b in defaults)

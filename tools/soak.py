@@ -64,6 +64,16 @@ class Counters:
                 self.errors.append(error)
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
 def _request_body(rng: random.Random) -> tuple[str, dict]:
     max_tokens = rng.randint(4, 48)
     if rng.random() < 0.05:  # invalid on purpose: the server must shrug it off
@@ -80,6 +90,9 @@ def _request_body(rng: random.Random) -> tuple[str, dict]:
         common.update(presence_penalty=rng.choice([0.5, 1.5]), frequency_penalty=0.3)
     elif kind < 0.5:
         del common["temperature"]
+    elif kind < 0.55:  # logit edits: a bias, and stop tokens masked until min_tokens
+        common.update(logit_bias={str(rng.randrange(1000)): rng.choice([-100, 5])})
+        common.update(min_tokens=rng.randint(1, max_tokens))
     if rng.random() < 0.2:
         common["seed"] = rng.randrange(2**31)
     if stream and rng.random() < 0.5:
@@ -87,6 +100,8 @@ def _request_body(rng: random.Random) -> tuple[str, dict]:
     if rng.random() < 0.5:
         return "/v1/completions", {"prompt": rng.choice(PROMPTS), **common}
     messages = [{"role": "user", "content": rng.choice(PROMPTS)}]
+    if rng.random() < 0.1:  # rendered by templates that take tools, refused by the others
+        common["tools"] = [WEATHER_TOOL]
     return "/v1/chat/completions", {"messages": messages, **common}
 
 
