@@ -113,6 +113,33 @@ def test_preemption_and_seeded_sampling_are_reproducible(runner):
     assert tight == roomy and finish_tight == finish_roomy
 
 
+def test_logit_edits_survive_preemption_and_overlap(runner):
+    """logit_bias and the min_tokens mask give the same tokens with a small KV cache and two
+    steps in flight (preempted sequences come back with their output as prompt) as with a
+    roomy cache and one step in flight; the mask lifts at each request's min_tokens."""
+    plain, _, _ = drive(runner, _requests(4), in_flight=1, num_kv_blocks=200)
+    requests = []
+    for i, (request_id, prompt, sampling) in enumerate(_requests(4)):
+        favourite = plain[request_id][1]
+        fields = dict(temperature=0.0, max_tokens=sampling.max_tokens)
+        if i % 3 == 0:
+            fields.update(logit_bias_ids=[favourite], logit_bias_values=[-100.0])
+        elif i % 3 == 1:
+            min_tokens = max(2, sampling.max_tokens - 2)
+            fields.update(min_tokens=min_tokens, stop_token_ids=[favourite])
+        requests.append((request_id, prompt, SamplingParams(**fields)))
+    roomy, finish_roomy, _ = drive(runner, requests, in_flight=1, num_kv_blocks=200)
+    tight, finish_tight, scheduler = drive(runner, requests, in_flight=2, num_kv_blocks=24)
+    assert scheduler.num_preemptions > 0
+    assert tight == roomy and finish_tight == finish_roomy
+    for i, (request_id, _, sampling) in enumerate(requests):
+        if i % 3 == 0:
+            assert sampling.logit_bias_ids[0] not in roomy[request_id]
+        elif i % 3 == 1:
+            assert sampling.stop_token_ids[0] not in roomy[request_id][: sampling.min_tokens - 1]
+            assert len(roomy[request_id]) >= sampling.min_tokens
+
+
 def _plan(step_id, new_seqs=(), seq_ids=(), computed=(), scheduled=(), updates=(), finished=()):
     return StepPlan(
         step_id,
