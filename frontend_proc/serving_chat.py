@@ -27,7 +27,6 @@ from frontend_proc.tool_calls import (
     ToolCallParser,
     finish_reason,
     split_tool_calls,
-    tool_call_deltas,
 )
 from pegainfer.protocol import GenerateRequest, TextDelta
 
@@ -142,12 +141,13 @@ async def create_chat_completion(
             fields["reasoning_content"] = reasoning
         if tool_parsers is not None:
             parser = tool_parsers[index]
-            first_index = len(parser.calls)
             content, calls = parser.feed(content)
             if delta.finish_reason is not None:
-                content += parser.flush()
+                more_content, more_calls = parser.flush()
+                content += more_content
+                calls += more_calls
             if calls:
-                fields["tool_calls"] = tool_call_deltas(calls, first_index)
+                fields["tool_calls"] = calls
         if content:
             fields["content"] = content
         return fields

@@ -7,9 +7,10 @@ request's ``tools`` for the model, which calls one by writing
 
 in its answer (after any ``<think>`` block). This module checks a request's ``tools`` and
 ``tool_choice``, and turns such blocks into OpenAI ``tool_calls``: at once for a whole
-output, or delta by delta for a stream, where the text of a block is held back until it
-closes and then sent as one tool-call delta. A block whose JSON does not parse is left in
-the content, as the model wrote it.
+output, or delta by delta for a stream, where a call is sent as soon as its name is written
+and its arguments follow as the model writes them. A block whose JSON does not parse is
+left in the content, as the model wrote it (a streamed call already announced keeps the
+arguments it was written with).
 
 ``tool_choice`` may be "auto" (the default when tools are given) or "none" (the tools are
 then not shown to the model). "required" and a named function would need the output
@@ -19,6 +20,7 @@ constrained to a call, which this server does not do: they are refused.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -75,42 +77,112 @@ def _call(block: str) -> dict[str, Any] | None:
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": _new_call_id(),
         "type": "function",
         "function": {"name": value["name"], "arguments": arguments},
     }
 
 
-class ToolCallParser:
-    """The content of one choice, streamed: text passes through, tool-call blocks come out
-    as calls once closed."""
+# The start of a block whose arguments can be streamed: the name, then an object.
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 
-    __slots__ = ("_held", "_in_call", "calls")
+
+class _OpenCall:
+    """A block being written. Once its name is known (the Hermes order: name, then an
+    arguments object) the call is announced and its arguments stream as the model writes
+    them: everything before the block's last ``}`` is arguments, since the object holding
+    them closes last. Other blocks are parsed whole when they close."""
+
+    __slots__ = ("index", "text", "call_id", "name", "args_start", "sent")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text = ""
+        self.call_id = ""
+        self.name = ""
+        self.args_start = -1  # -1: not announced
+        self.sent = 0  # characters of the arguments sent
+
+    def _arguments(self, closed: bool) -> str:
+        region = self.text[self.args_start :]
+        last = region.rfind("}")
+        if last < 0:
+            return region.rstrip() if closed else ""
+        return region[:last].rstrip() if closed else region[:last]
+
+    def progress(self, more: str) -> list[dict[str, Any]]:
+        self.text += more
+        deltas: list[dict[str, Any]] = []
+        if self.args_start < 0:
+            match = _HEADER.match(self.text)
+            if match is None:
+                return deltas
+            self.name = json.loads(f'"{match.group(1)}"')
+            self.call_id = _new_call_id()
+            self.args_start = match.end()
+            function = {"name": self.name, "arguments": ""}
+            deltas.append(
+                {"index": self.index, "id": self.call_id, "type": "function", "function": function}
+            )
+        deltas += self._send(self._arguments(closed=False))
+        return deltas
+
+    def _send(self, arguments: str) -> list[dict[str, Any]]:
+        if len(arguments) <= self.sent:
+            return []
+        piece, self.sent = arguments[self.sent :], len(arguments)
+        return [{"index": self.index, "function": {"arguments": piece}}]
+
+    def close(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """(the call, or None if the block is not one; the last deltas)."""
+        if self.args_start < 0:
+            call = _call(self.text.strip())
+            return call, [] if call is None else [{"index": self.index, **call}]
+        arguments = self._arguments(closed=True)
+        function = {"name": self.name, "arguments": arguments}
+        call = {"id": self.call_id, "type": "function", "function": function}
+        return call, self._send(arguments)
+
+
+def _new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolCallParser:
+    """The content of one choice, streamed: text passes through, and each tool-call block
+    comes out as ``delta.tool_calls`` entries (the call with its name, then its arguments
+    piece by piece; or whole when the block closes, if its shape is not the usual one)."""
+
+    __slots__ = ("_held", "_open", "calls")
 
     def __init__(self) -> None:
         self._held = ""
-        self._in_call = False
-        self.calls: list[dict[str, Any]] = []  # every call so far
+        self._open: _OpenCall | None = None
+        self.calls: list[dict[str, Any]] = []  # every complete call so far
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """Add content; return the content ready to send and the calls just closed."""
+        """Add content; return the content ready to send and the tool-call deltas."""
         buffer = self._held + text
         self._held = ""
         content: list[str] = []
-        calls: list[dict[str, Any]] = []
+        deltas: list[dict[str, Any]] = []
         while buffer:
-            if self._in_call:
+            if self._open is not None:
                 end = buffer.find(CALL_END)
                 if end < 0:
-                    self._held = buffer
+                    keep = partial_tail(buffer, CALL_END)
+                    deltas += self._open.progress(buffer[: len(buffer) - keep])
+                    self._held = buffer[len(buffer) - keep :]
                     break
-                block, buffer = buffer[:end], buffer[end + len(CALL_END) :]
-                self._in_call = False
-                call = _call(block.strip())
+                deltas += self._open.progress(buffer[:end])
+                buffer = buffer[end + len(CALL_END) :]
+                call, last = self._open.close()
+                deltas += last
                 if call is None:
-                    content.append(CALL_START + block + CALL_END)
+                    content.append(CALL_START + self._open.text + CALL_END)
                 else:
-                    calls.append(call)
+                    self.calls.append(call)
+                self._open = None
                 continue
             start = buffer.find(CALL_START)
             if start < 0:
@@ -120,35 +192,49 @@ class ToolCallParser:
                 break
             content.append(buffer[:start])
             buffer = buffer[start + len(CALL_START) :]
-            self._in_call = True
-        self.calls += calls
+            self._open = _OpenCall(len(self.calls))
         text_out = "".join(content)
-        if self.calls and not text_out.strip():
+        if (self.calls or self._open is not None) and not text_out.strip():
             text_out = ""  # the newlines around and between calls
-        return text_out, calls
+        return text_out, deltas
 
-    def flush(self) -> str:
-        """What is held back as the output ends: an unclosed block stays text."""
+    def flush(self) -> tuple[str, list[dict[str, Any]]]:
+        """What is held back as the output ends. An unclosed block stays text, unless its
+        call was announced: then the arguments written so far complete it."""
         held, self._held = self._held, ""
-        if self._in_call:
-            self._in_call = False
-            return CALL_START + held
-        return held
+        open_call, self._open = self._open, None
+        if open_call is None:
+            return held, []
+        deltas = open_call.progress(held)
+        if open_call.args_start < 0:
+            return CALL_START + open_call.text, []
+        call, last = open_call.close()
+        assert call is not None
+        self.calls.append(call)
+        return "", deltas + last
 
 
 def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """A whole content as (content without the calls, the calls)."""
-    parser = ToolCallParser()
-    content, calls = parser.feed(text)
-    content += parser.flush()
-    return (content.strip() if calls else content), calls
+    """A whole content as (content without the calls, the calls); a call's arguments are
+    its parsed JSON written out again."""
+    content: list[str] = []
+    calls: list[dict[str, Any]] = []
+    rest = text
+    while (start := rest.find(CALL_START)) >= 0:
+        end = rest.find(CALL_END, start)
+        if end < 0:
+            break
+        block = rest[start + len(CALL_START) : end]
+        call = _call(block.strip())
+        content.append(rest[:start] if call is not None else rest[: end + len(CALL_END)])
+        if call is not None:
+            calls.append(call)
+        rest = rest[end + len(CALL_END) :]
+    content.append(rest)
+    joined = "".join(content)
+    return (joined.strip() if calls else joined), calls
 
 
 def finish_reason(reason: str | None, calls: list[dict[str, Any]]) -> str | None:
     """An output that stopped after calling tools ends with "tool_calls", as OpenAI's."""
     return "tool_calls" if calls and reason == "stop" else reason
-
-
-def tool_call_deltas(calls: list[dict[str, Any]], first_index: int) -> list[dict[str, Any]]:
-    """Streamed ``delta.tool_calls`` entries: each call whole, numbered from ``first_index``."""
-    return [{"index": first_index + i, **call} for i, call in enumerate(calls)]

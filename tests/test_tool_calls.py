@@ -35,6 +35,21 @@ def names_and_arguments(calls: list[dict]) -> list[tuple[str, dict]]:
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
+def assemble(deltas: list[dict]) -> list[dict]:
+    """Streamed tool-call deltas put together as a client does: by index, the arguments
+    concatenated."""
+    calls: dict[int, dict] = {}
+    for entry in deltas:
+        call = calls.setdefault(entry["index"], {"function": {"arguments": ""}})
+        if "id" in entry:
+            assert "id" not in call, "a call announced twice"
+            call.update(id=entry["id"], type=entry["type"])
+            call["function"]["name"] = entry["function"]["name"]
+        call["function"]["arguments"] += entry["function"].get("arguments", "")
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[index] for index in sorted(calls)]
+
+
 def test_a_whole_output_splits_into_content_and_calls():
     content, calls = split_tool_calls(OUTPUT)
     assert content == "Let me look."
@@ -52,7 +67,7 @@ def test_a_whole_output_splits_into_content_and_calls():
     [
         "<tool_call>\nnot json\n</tool_call>",
         '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',  # cut off
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',  # cut off, whole
         "a < b and <tool_ca",
     ],
 )
@@ -63,16 +78,41 @@ def test_what_is_not_a_call_stays_content(text):
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 11, 64])
 def test_streamed_deltas_give_the_whole_outputs_result(size):
     parser = ToolCallParser()
-    content, calls = "", []
+    content, deltas = "", []
+    announced_at = arguments_done_at = None
     for start in range(0, len(OUTPUT), size):
         text, new = parser.feed(OUTPUT[start : start + size])
-        assert "<" not in text or "<tool_call>" not in OUTPUT[: start + size]
+        assert "<" not in text
         content += text
-        calls += new
-    content += parser.flush()
+        deltas += new
+        if announced_at is None and any("id" in d for d in new):
+            announced_at = start + size
+        pieces = "".join(d["function"].get("arguments", "") for d in deltas if d["index"] == 0)
+        if arguments_done_at is None and pieces == '{"city": "Paris"}':
+            arguments_done_at = start + size
+    text, last = parser.flush()
+    content += text
+    deltas += last
     assert content.strip() == "Let me look."
+    calls = assemble(deltas)
     assert names_and_arguments(calls) == names_and_arguments(split_tool_calls(OUTPUT)[1])
-    assert parser.calls == calls
+    assert [c["id"] for c in calls] == [c["id"] for c in parser.calls]
+    # The first call is announced once its name is written, and its arguments are complete
+    # before its block closes; the second (arguments as a string) comes whole at its close.
+    first_close = OUTPUT.index("</tool_call>")
+    assert announced_at is not None and announced_at <= OUTPUT.index('"arguments"') + size + 14
+    assert arguments_done_at is not None and arguments_done_at <= first_close + size
+    assert [d for d in deltas if d["index"] == 1][0]["function"]["arguments"].startswith("{")
+
+
+def test_a_cut_off_call_that_was_announced_keeps_what_was_written():
+    parser = ToolCallParser()
+    text, deltas = parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    more, last = parser.flush()
+    assert text + more == ""
+    (call,) = assemble(deltas + last)
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+    assert parser.calls[0]["id"] == call["id"]
 
 
 def test_the_finish_is_tool_calls_only_after_a_stop():
@@ -147,8 +187,7 @@ def test_the_http_answer_has_tool_calls_whole_and_streamed():
     deltas = [c["choices"][0]["delta"] for c in chunks]
     content = "".join(d.get("content") or "" for d in deltas)
     assert content.strip() == "Let me look." and "<tool" not in content
-    streamed = [call for d in deltas for call in d.get("tool_calls", [])]
-    assert [c["index"] for c in streamed] == [0]
+    streamed = assemble([call for d in deltas for call in d.get("tool_calls", [])])
     assert names_and_arguments(streamed) == [("get_weather", {"city": "Paris"})]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # Without tools the same output is plain content.
