@@ -18,6 +18,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.server_util import Server
+from tools.soak import WEATHER_TOOL
 
 pytestmark = pytest.mark.slow
 
@@ -281,16 +282,6 @@ def test_eos_min_tokens_and_ignore_eos(server, eos_model, tokenizer):
     prompt_ids = tokenizer.encode(EOS_PROMPT).ids
     hf = greedy_ids(model_dir, prompt_ids, 10, min_new_tokens=at + 2, eos_token_id=[151645, eos])
     assert ids == hf
-
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 
 
 def test_tools_reach_qwen3s_template(server, client, model):

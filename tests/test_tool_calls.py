@@ -15,15 +15,8 @@ from frontend_proc.chat_template import ChatTemplate
 from frontend_proc.preprocess import Preprocessor, handle
 from frontend_proc.tool_calls import ToolCallParser, finish_reason, split_tool_calls
 from pegainfer.protocol import RequestRejected
+from tools.soak import WEATHER_TOOL
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 CALL_PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL_ROME = (
     '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}\n</tool_call>'
@@ -129,7 +122,7 @@ def test_the_qwen3_template_shows_the_tools(tmp_path):
     tokenizer = Tokenizer.from_file(f"{QWEN_DIR}/tokenizer.json")
     qwen = Preprocessor(tokenizer, template, 4096, 151936)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    text = qwen.render_chat(messages, True, {}, [WEATHER])
+    text = qwen.render_chat(messages, True, {}, [WEATHER_TOOL])
     assert "<tools>" in text and '"name": "get_weather"' in text and "<tool_call>" in text
     assert "<tools>" not in qwen.render_chat(messages, True, {})
 
@@ -137,7 +130,7 @@ def test_the_qwen3_template_shows_the_tools(tmp_path):
 def test_a_template_without_the_call_format_refuses_tools(preprocessor):  # noqa: F811
     outcome = handle(
         preprocessor,
-        request(messages=[{"role": "user", "content": "hello"}], tools=[WEATHER]),
+        request(messages=[{"role": "user", "content": "hello"}], tools=[WEATHER_TOOL]),
     )
     assert isinstance(outcome, RequestRejected)
     assert (outcome.status, outcome.param) == (400, "tools")
@@ -163,7 +156,7 @@ def test_the_http_answer_has_tool_calls_whole_and_streamed():
     bodies = {}
 
     async def body(client):
-        request_body = chat_body(tools=[WEATHER], max_tokens=30)
+        request_body = chat_body(tools=[WEATHER_TOOL], max_tokens=30)
         response = await client.post("/v1/chat/completions", json=request_body)
         bodies["whole"] = await response.json()
         response = await client.post("/v1/chat/completions", json={**request_body, "stream": True})
@@ -172,7 +165,7 @@ def test_the_http_answer_has_tool_calls_whole_and_streamed():
         bodies["plain"] = await plain.json()
 
     run_with_client(engine, body)
-    assert engine.requests[0].tools == [WEATHER]
+    assert engine.requests[0].tools == [WEATHER_TOOL]
     choice = bodies["whole"]["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Let me look."
