@@ -74,6 +74,9 @@ def parse_message(raw: Any, index: int) -> dict[str, Any]:
     elif role != "assistant" or tool_calls is None:
         # Only an assistant turn that calls tools may go without content.
         raise invalid(f"{where}.content is required", "messages")
+    else:
+        # As an empty string: templates read it (Qwen3's tests "'</think>' in content").
+        message["content"] = ""
     if tool_calls is not None:
         if role != "assistant":
             raise invalid(f"{where}.tool_calls is only allowed on assistant messages", "messages")

@@ -276,6 +276,7 @@ def test_chat_messages_are_normalized():
         {"role": "user", "content": "one\ntwo"},
         {
             "role": "assistant",
+            "content": "",
             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f"}}],
         },
         {"role": "tool", "content": "42", "tool_call_id": "c1"},

@@ -187,3 +187,34 @@ def test_the_http_answer_has_tool_calls_whole_and_streamed():
     plain = bodies["plain"]["choices"][0]
     assert "<tool_call>" in plain["message"]["content"] and plain["finish_reason"] == "stop"
     assert "tool_calls" not in plain["message"]
+
+
+@needs_qwen
+def test_a_whole_tool_round_renders_with_qwen3s_template():
+    """An agent's second turn: the assistant's call (arguments as the JSON string OpenAI
+    clients send back) and the tool's answer reach the prompt in Qwen3's format."""
+    from tokenizers import Tokenizer
+
+    from frontend_proc.messages import parse_messages
+
+    qwen = Preprocessor(
+        Tokenizer.from_file(f"{QWEN_DIR}/tokenizer.json"), ChatTemplate.load(QWEN_DIR), 4096, 151936
+    )
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = parse_messages(
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        ]
+    )
+    text = qwen.render_chat(messages, True, {}, [WEATHER_TOOL])
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    )
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
