@@ -110,8 +110,11 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
-        """Render a conversation; any template error is the request's fault (400)."""
+        """Render a conversation; any template error is the request's fault (400).
+        ``continue_final_message`` cuts the text right after the last message's content, so
+        the model goes on writing it (a prefilled answer), as transformers does."""
         variables: dict[str, Any] = {**self.special_tokens, **(chat_template_kwargs or {})}
         variables.update(
             messages=messages,
@@ -120,7 +123,7 @@ class ChatTemplate:
             documents=None,
         )
         try:
-            return self._template.render(**variables)
+            text = self._template.render(**variables)
         except jinja2.exceptions.TemplateError as exc:
             raise invalid(f"the chat template could not render this conversation: {exc}") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
@@ -128,3 +131,19 @@ class ChatTemplate:
             raise invalid(
                 f"the chat template could not render this conversation: {type(exc).__name__}: {exc}"
             ) from None
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1].get("content", ""))
+        return text
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    """``text`` up to the end of the final message's content; templates that trim messages
+    (Llama 3.1's) have it stripped."""
+    for content in (final, final.strip()):
+        end = text.rfind(content)
+        if end >= 0:
+            return text[: end + len(content)]
+    raise invalid(
+        "'continue_final_message': the chat template does not write the last message as it is",
+        "messages",
+    )

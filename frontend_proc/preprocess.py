@@ -54,6 +54,7 @@ class Preprocessor:
         add_generation_prompt: bool,
         chat_template_kwargs: dict[str, Any],
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         if self.chat_template is None:
             raise invalid(
@@ -66,7 +67,7 @@ class Preprocessor:
                 "tools",
             )
         return self.chat_template.render(
-            messages, add_generation_prompt, chat_template_kwargs, tools
+            messages, add_generation_prompt, chat_template_kwargs, tools, continue_final_message
         )
 
     def prompt_ids(self, request: GenerateRequest) -> bytes:
@@ -77,6 +78,7 @@ class Preprocessor:
                 request.add_generation_prompt,
                 request.chat_template_kwargs,
                 request.tools,
+                request.continue_final_message,
             )
             # The template already wrote every special token the model expects.
             return pack_ids(self.tokenizer.encode(text, add_special_tokens=False).ids)

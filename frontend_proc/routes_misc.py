@@ -12,6 +12,7 @@ from frontend_proc import metrics
 from frontend_proc.errors import SERVER_ERROR, APIError, error_body, invalid, model_not_found
 from frontend_proc.fields import check_token_ids, get_bool, get_object, get_str
 from frontend_proc.messages import parse_messages
+from frontend_proc.schemas import render_options
 from frontend_proc.server_state import ServerState, dead_reason
 from frontend_proc.serving_common import ServingContext, json_response, new_request_id
 from frontend_proc.tokenizer_calls import TokenizerService
@@ -90,13 +91,13 @@ def tokenize_request(body: dict[str, Any]) -> TokenizeRequest:
     messages = None
     prompt = None
     chat_template_kwargs: dict[str, Any] = {}
-    add_generation_prompt = True
+    add_generation_prompt, continue_final_message = True, False
     tools = None
     if body.get("messages") is not None:
         messages = parse_messages(body["messages"])
         tools = parse_tools(body)
         chat_template_kwargs = dict(get_object(body, "chat_template_kwargs") or {})
-        add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+        add_generation_prompt, continue_final_message = render_options(body)
         # The template writes every special token the model expects.
         add_special = get_bool(body, "add_special_tokens", False)
     else:
@@ -113,6 +114,7 @@ def tokenize_request(body: dict[str, Any]) -> TokenizeRequest:
         add_special_tokens=add_special,
         return_token_strs=get_bool(body, "return_token_strs", False),
         tools=tools,
+        continue_final_message=continue_final_message,
     )
 
 

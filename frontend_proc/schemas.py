@@ -86,6 +86,7 @@ class ChatCompletionRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None  # shown to the model, its calls parsed
+    continue_final_message: bool = False
 
 
 def require_object(body: Any) -> dict[str, Any]:
@@ -190,6 +191,19 @@ def parse_completion_request(
     )
 
 
+def render_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message): the prompt ends with the start of
+    a new assistant turn, or inside the last message, which the model then goes on."""
+    add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    continue_final_message = get_bool(body, "continue_final_message", False)
+    if add_generation_prompt and continue_final_message:
+        raise invalid(
+            "'continue_final_message' needs 'add_generation_prompt': false",
+            "continue_final_message",
+        )
+    return add_generation_prompt, continue_final_message
+
+
 def parse_chat_request(
     body: Any, served_model_name: str, defaults: SamplingDefaults = NEUTRAL_DEFAULTS
 ) -> ChatCompletionRequest:
@@ -211,6 +225,7 @@ def parse_chat_request(
     if logprobs:
         common.sampling.logprobs = top_logprobs or 0
     kwargs = get_object(body, "chat_template_kwargs")
+    add_generation_prompt, continue_final_message = render_options(body)
     return ChatCompletionRequest(
         model=common.model,
         messages=messages,
@@ -222,6 +237,7 @@ def parse_chat_request(
         top_logprobs=top_logprobs,
         user=common.user,
         chat_template_kwargs=dict(kwargs or {}),
-        add_generation_prompt=get_bool(body, "add_generation_prompt", True),
+        add_generation_prompt=add_generation_prompt,
         tools=tools,
+        continue_final_message=continue_final_message,
     )

@@ -44,6 +44,7 @@ def build_sub_requests(request_id: str, request: ChatCompletionRequest) -> list[
             sampling=sampling_for_choice(request.sampling, k),
             arrival_time=arrival_time,
             tools=request.tools,
+            continue_final_message=request.continue_final_message,
         )
         for k in range(request.n)
     ]

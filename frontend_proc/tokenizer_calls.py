@@ -52,6 +52,7 @@ def tokenize(preprocessor: Preprocessor, request: TokenizeRequest) -> TokenizeRe
             request.add_generation_prompt,
             request.chat_template_kwargs,
             request.tools,
+            request.continue_final_message,
         )
     elif request.prompt is not None:
         text = request.prompt

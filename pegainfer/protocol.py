@@ -232,6 +232,7 @@ class GenerateRequest:
     sampling: SamplingParams
     arrival_time: float
     tools: list[dict[str, Any]] | None = None  # for the chat template
+    continue_final_message: bool = False  # the prompt ends inside the last message
 
 
 @message(3)
@@ -396,6 +397,7 @@ class TokenizeRequest:
     add_special_tokens: bool
     return_token_strs: bool
     tools: list[dict[str, Any]] | None = None  # for the chat template
+    continue_final_message: bool = False
 
 
 @message(17)

@@ -301,6 +301,24 @@ def test_tools_reach_qwen3s_template(server, client, model):
         client.chat.completions.create(**common, tools=[WEATHER_TOOL], tool_choice="required")
 
 
+def test_continue_final_message_prefills_the_answer(server, tokenizer):
+    messages = [
+        {"role": "user", "content": "The capital of France?"},
+        {"role": "assistant", "content": "The capital is"},
+    ]
+    closed = {"messages": messages, "add_generation_prompt": False}
+    prefilled = {**closed, "continue_final_message": True}
+    status, counted = server.post("/tokenize", {**prefilled, "return_token_strs": True})
+    assert status == 200
+    text = tokenizer.decode(counted["tokens"], skip_special_tokens=False)
+    assert text.endswith("The capital is")  # no end of turn: the model goes on from here
+    status, whole = server.post("/tokenize", closed)
+    assert status == 200 and whole["count"] > counted["count"]
+    status, out = server.post("/v1/chat/completions", {**prefilled, "max_tokens": 3})
+    assert status == 200, out
+    assert out["usage"]["prompt_tokens"] == counted["count"]
+
+
 def test_logit_bias_bans_and_forces_tokens(server):
     body = dict(prompt="Once upon", max_tokens=6, ignore_eos=True, return_token_ids=True)
     plain = complete(server, **body, temperature=0)["choices"][0]["token_ids"]

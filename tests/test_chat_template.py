@@ -163,3 +163,31 @@ def test_strftime_now_is_available():
     template = ChatTemplate("{{ strftime_now('%Y') }}")
     rendered = template.render([{"role": "user", "content": "x"}])
     assert rendered.isdigit() and len(rendered) == 4
+
+
+PREFILLED = [
+    {"role": "user", "content": "Answer in JSON: the capital of France?"},
+    {"role": "assistant", "content": '```json\n{"capital": "'},
+]
+
+
+@needs_qwen
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}])
+def test_continue_final_message_matches_transformers(hf_tokenizer, template, kwargs):
+    expected = hf_tokenizer.apply_chat_template(
+        PREFILLED,
+        tokenize=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+        **kwargs,
+    )
+    rendered = template.render(PREFILLED, False, kwargs, continue_final_message=True)
+    assert rendered == expected
+    assert rendered.endswith('```json\n{"capital": "')
+
+
+def test_continue_final_message_refuses_a_template_that_rewrites_the_message():
+    rewriting = ChatTemplate("{% for m in messages %}{{ m.content | upper }}{% endfor %}")
+    with pytest.raises(APIError) as refused:
+        rewriting.render([{"role": "assistant", "content": "abc"}], False, {}, None, True)
+    assert refused.value.status == 400

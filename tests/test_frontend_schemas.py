@@ -392,3 +392,13 @@ def test_ignored_fields_are_named_in_the_log_once(caplog):
     named = [r.getMessage() for r in caplog.records]
     assert len(named) == 2
     assert "'x_test_field'" in named[0] and "'x_test_other'" in named[1]
+
+
+def test_continue_final_message_needs_add_generation_prompt_off():
+    prefilled = USER + [{"role": "assistant", "content": "Sure:"}]
+    body = {"messages": prefilled, "continue_final_message": True}
+    with pytest.raises(APIError) as refused:
+        parse_chat_request(body, MODEL)
+    assert refused.value.param == "continue_final_message"
+    request = parse_chat_request({**body, "add_generation_prompt": False}, MODEL)
+    assert request.continue_final_message and not request.add_generation_prompt
