@@ -65,7 +65,7 @@ CHAT_FIELDS |= {"chat_template_kwargs", "add_generation_prompt", "tools", "tool_
 CHAT_FIELDS |= {"continue_final_message"}
 CHAT_FIELDS |= {"functions", "function_call", "response_format", "audio", "modalities"}
 # OpenAI fields that change nothing a server like this one returns.
-_NO_EFFECT = frozenset(("store", "metadata", "service_tier", "parallel_tool_calls"))
+_NO_EFFECT = frozenset(("store", "metadata", "service_tier"))
 _logged: set[str] = set()
 
 
