@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_chat_template import QWEN_DIR, needs_qwen
 from test_frontend_app import MODEL, FakeEngine, delta, run_with_client
 from test_tokenizer_proc import preprocessor, request  # noqa: F401 - a fixture
@@ -218,3 +220,41 @@ def test_a_whole_tool_round_renders_with_qwen3s_template():
     )
     assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+ARGUMENTS = [
+    {"city": "Paris"},
+    {"code": "if (x) { return y; }", "n": [1, {"deep": "}}"}]},
+    {},
+    {"text": "a </tool_call lookalike and <tool_call> inside a string"},
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    calls=st.lists(st.sampled_from(ARGUMENTS), min_size=1, max_size=3),
+    before=st.sampled_from(["", "Sure.\n", "x < y > z\n"]),
+    compact=st.booleans(),
+    cuts=st.lists(st.integers(1, 400), max_size=12),
+)
+def test_any_split_of_well_formed_calls_streams_their_arguments(calls, before, compact, cuts):
+    separators = (",", ":") if compact else (", ", ": ")
+    blocks = [
+        "<tool_call>\n"
+        + json.dumps({"name": f"f{i}", "arguments": a}, separators=separators)
+        + "\n</tool_call>"
+        for i, a in enumerate(calls)
+    ]
+    output = before + "\n".join(blocks)
+    points = sorted({min(c, len(output)) for c in cuts} | {len(output)})
+    parser = ToolCallParser()
+    content, deltas, start = "", [], 0
+    for point in points:
+        text, new = parser.feed(output[start:point])
+        content, deltas, start = content + text, deltas + new, point
+    text, last = parser.flush()
+    streamed = assemble(deltas + last)
+    whole_content, whole = split_tool_calls(output)
+    assert (content + text).strip() == whole_content == before.strip()
+    assert names_and_arguments(streamed) == names_and_arguments(whole)
+    assert names_and_arguments(whole) == [(f"f{i}", a) for i, a in enumerate(calls)]
