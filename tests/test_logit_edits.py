@@ -173,3 +173,31 @@ def test_the_bias_comes_before_the_penalties(bias, expected):
     # Bias first: (1 + 1.1) / 1.25 = 1.68 < 1.8, (1 + 1.3) / 1.25 = 1.84 > 1.8. The penalty
     # first would make the first 1 / 1.25 + 1.1 = 1.9: token 4.
     assert sample(logits, params, penalties=table, penalty_rows=[row]) == [expected]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_edits_on_a_gpu_agree_with_the_cpu():
+    """bf16 logits on the device: greedy rows with a bias or a mask take the CPU's tokens,
+    and sampled rows never draw a banned or masked token."""
+    cuda = torch.device("cuda")
+    logits = random_logits(32, seed=4).to(torch.bfloat16)
+    favourites = logits.float().topk(2, dim=-1).indices
+    params, rows, masked = [], [], []
+    for row in range(32):
+        fields = {"temperature": 0.0} if row % 2 else {"temperature": 0.8, "top_k": 20}
+        params.append(biased([int(favourites[row, 0])], [-100.0], seed=row, **fields))
+        rows.append(row)
+        masked.append([int(favourites[row, 1])])
+    tokens = {}
+    for device in (CPU, cuda):
+        sampler = Sampler(device, seed=0)
+        batch = sampler.prepare(params, VOCAB)
+        mask = stop_mask_edits(rows, masked, Uploader(device))
+        positions = torch.arange(32, device=device)
+        drawn = sampler.sample(logits.to(device), batch, positions, stop_mask=mask)
+        tokens[device.type] = drawn.cpu().tolist()
+    for row in range(32):
+        assert tokens["cuda"][row] not in favourites[row].tolist()
+        if row % 2:
+            assert tokens["cuda"][row] == tokens["cpu"][row]

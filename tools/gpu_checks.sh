@@ -53,7 +53,8 @@ tests)
     tests/test_kernels_decode_inputs.py tests/test_cuda_graphs.py tests/test_compile_ahead.py \
     tests/test_overlap.py tests/test_sampler.py tests/test_worker_logprobs.py \
     tests/test_step_profile.py tests/test_prefill_profile.py tests/test_pdl.py \
-    tests/test_compile_watch.py tests/test_warm_up.py
+    tests/test_compile_watch.py tests/test_warm_up.py tests/test_logit_edits.py \
+    tests/test_min_tokens.py
   ;;
 bench)
   need_checkpoint
