@@ -25,9 +25,11 @@ from frontend_proc.fields import (
     get_stop,
     get_str,
 )
+from frontend_proc.forced_tool_calls import ForcedCalls, forced_calls
 from frontend_proc.messages import parse_messages
 from frontend_proc.prompts import Prompt, parse_prompt
 from frontend_proc.sampling_defaults import SamplingDefaults, read_setting
+from frontend_proc.structured_output import parse_structured_output
 from frontend_proc.tool_calls import parse_tools
 from frontend_proc.unsupported import (
     CHAT_FIELDS,
@@ -87,6 +89,8 @@ class ChatCompletionRequest:
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None  # shown to the model, its calls parsed
     continue_final_message: bool = False
+    # tool_choice "required" or a named function: the answer is constrained to calls.
+    forced_calls: ForcedCalls | None = None
 
 
 def require_object(body: Any) -> dict[str, Any]:
@@ -126,6 +130,7 @@ def _sampling(body: dict[str, Any], max_tokens: int, defaults: SamplingDefaults)
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         logit_bias_ids=bias_ids,
         logit_bias_values=bias_values,
+        structured=parse_structured_output(body),
     )
 
 
@@ -214,10 +219,17 @@ def parse_chat_request(
     refuse_unsupported_chat_fields(body)
     log_ignored_fields(body, CHAT_FIELDS)
     tools = parse_tools(body)
+    forced = forced_calls(tools, body.get("tool_choice"))
     max_tokens = get_int(body, "max_tokens", FILL_CONTEXT, lo=1, hi=MAX_INT32)
     # The newer name wins: OpenAI deprecated max_tokens for chat in its favour.
     max_tokens = get_int(body, "max_completion_tokens", max_tokens, lo=1, hi=MAX_INT32)
     common = _common(body, served_model_name, max_tokens, defaults)
+    if forced is not None:
+        if common.sampling.structured is not None:
+            raise invalid(
+                "a forced tool call cannot be combined with structured output", "tool_choice"
+            )
+        common.sampling.structured = forced.constraint
     logprobs = get_bool(body, "logprobs", False)
     top_logprobs = get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs is not None and not logprobs:
@@ -239,5 +251,6 @@ def parse_chat_request(
         chat_template_kwargs=dict(kwargs or {}),
         add_generation_prompt=add_generation_prompt,
         tools=tools,
+        forced_calls=forced,
         continue_final_message=continue_final_message,
     )

@@ -62,12 +62,17 @@ async def create_chat_completion(
     num_top = request.top_logprobs or 0
 
     with_tools = request.tools is not None
+    forced = request.forced_calls
 
     def message(state: ChoiceState) -> dict[str, Any]:
         reasoning, content = split_reasoning(state.text) if ctx.reasoning else (None, state.text)
         fields: dict[str, Any] = {"role": "assistant", "content": content}
         fields["reasoning_content"] = reasoning
-        if with_tools:
+        if forced is not None:
+            fields["content"], calls = forced.split(content or "")
+            fields["tool_calls"] = calls
+            state.finish_reason = forced.finish_reason(state.finish_reason, calls)
+        elif with_tools:
             content, calls = split_tool_calls(content)
             fields["content"] = content if content or not calls else None
             fields["tool_calls"] = calls
@@ -127,7 +132,11 @@ async def create_chat_completion(
         return [chunk(index, {"role": "assistant", "content": ""}) for index in range(len(subs))]
 
     parsers = [ReasoningParser() for _ in subs] if ctx.reasoning else None
-    tool_parsers = [ToolCallParser() for _ in subs] if with_tools else None
+    tool_parsers: list[Any] | None = None
+    if forced is not None:
+        tool_parsers = [forced.parser() for _ in subs]
+    elif with_tools:
+        tool_parsers = [ToolCallParser() for _ in subs]
 
     def text_fields(index: int, delta: TextDelta) -> dict[str, Any]:
         reasoning, content = "", delta.text
@@ -162,7 +171,9 @@ async def create_chat_completion(
         )
         if delta.finish_reason is not None:
             reason = state.finish_reason
-            if tool_parsers is not None:
+            if forced is not None:
+                reason = forced.finish_reason(reason, tool_parsers[index].calls)
+            elif tool_parsers is not None:
                 reason = finish_reason(reason, tool_parsers[index].calls)
             return [chunk(index, fields, reason, state.stop_reason, logprobs)]
         if not fields and logprobs is None:

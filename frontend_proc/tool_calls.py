@@ -13,8 +13,8 @@ left in the content, as the model wrote it (a streamed call already announced ke
 arguments it was written with).
 
 ``tool_choice`` may be "auto" (the default when tools are given) or "none" (the tools are
-then not shown to the model). "required" and a named function would need the output
-constrained to a call, which this server does not do: they are refused.
+then not shown to the model); "required" and a named function constrain the answer to
+calls (frontend_proc/forced_tool_calls.py).
 """
 
 from __future__ import annotations
@@ -41,12 +41,6 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     for name in ("functions", "function_call"):
         if body.get(name) is not None:
             raise invalid(f"'{name}' is deprecated and not supported: use 'tools'", name)
-    if tool_choice is not None and tool_choice not in ("none", "auto"):
-        raise invalid(
-            '\'tool_choice\' may be "auto" or "none": forcing a call ("required" or a '
-            "named function) is not supported",
-            "tool_choice",
-        )
     if tools is None:
         return None
     if not isinstance(tools, list):

@@ -2,10 +2,9 @@
 
 Unknown fields are ignored (clients send extras such as ``store`` or ``metadata`` that change
 nothing here); the first request to carry one names it in the log. The fields below would change what the client gets back if they worked, so
-ignoring them would answer another question than the one asked: structured output, audio,
-server-side best-of and insertion are not implemented (forced tool calls neither:
-frontend_proc/tool_calls.py). A field at its "off" value (``response_format: {"type":
-"text"}``, ``best_of`` equal to ``n``, an empty ``suffix``) is accepted.
+ignoring them would answer another question than the one asked: audio, server-side best-of
+and insertion are not implemented (forced tool calls neither: frontend_proc/tool_calls.py).
+A field at its "off" value (``best_of`` equal to ``n``, an empty ``suffix``) is accepted.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from typing import Any
 
 from frontend_proc.errors import invalid
 from frontend_proc.fields import get_int, get_str
+from frontend_proc.structured_output import STRUCTURED_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +34,6 @@ def refuse_unsupported_completion_fields(body: dict[str, Any], n: int) -> None:
 
 def refuse_unsupported_chat_fields(body: dict[str, Any]) -> None:
     """Tools and tool_choice are checked by frontend_proc/tool_calls.py."""
-    response_format = body.get("response_format")
-    if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind != "text":
-            raise invalid(
-                "structured output is not supported: 'response_format' may only be "
-                '{"type": "text"}',
-                "response_format",
-            )
     modalities = body.get("modalities")
     if body.get("audio") is not None or (
         modalities is not None and modalities != ["text"] and modalities != []
@@ -51,19 +42,22 @@ def refuse_unsupported_chat_fields(body: dict[str, Any]) -> None:
 
 
 # Every field a request may carry that something here reads.
-_COMMON_FIELDS = frozenset(
-    (
-        "model max_tokens temperature top_p top_k min_p seed min_tokens ignore_eos "
-        "stop_token_ids stop include_stop_str_in_output presence_penalty frequency_penalty "
-        "repetition_penalty skip_special_tokens logit_bias n stream stream_options user"
-    ).split()
+_COMMON_FIELDS = (
+    frozenset(
+        (
+            "model max_tokens temperature top_p top_k min_p seed min_tokens ignore_eos "
+            "stop_token_ids stop include_stop_str_in_output presence_penalty frequency_penalty "
+            "repetition_penalty skip_special_tokens logit_bias n stream stream_options user"
+        ).split()
+    )
+    | STRUCTURED_FIELDS
 )
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "return_token_ids"}
 COMPLETION_FIELDS |= {"suffix", "best_of"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 CHAT_FIELDS |= {"chat_template_kwargs", "add_generation_prompt", "tools", "tool_choice"}
 CHAT_FIELDS |= {"continue_final_message"}
-CHAT_FIELDS |= {"functions", "function_call", "response_format", "audio", "modalities"}
+CHAT_FIELDS |= {"functions", "function_call", "audio", "modalities"}
 # OpenAI fields that change nothing a server like this one returns.
 _NO_EFFECT = frozenset(("store", "metadata", "service_tier"))
 _logged: set[str] = set()

@@ -97,6 +97,20 @@ def unpack_floats(data: bytes) -> list[float]:
 
 
 @dataclass
+class StructuredOutput:
+    """A constraint on what a request may generate, compiled by the scheduler into a grammar
+    whose allowed next tokens mask the logits at every step.
+
+    ``kind``: ``json`` (``spec`` is a JSON schema, serialized), ``json_object`` (any JSON
+    object; ``spec`` empty), ``regex``, ``choice`` (``spec`` a JSON list of strings) or
+    ``grammar`` (EBNF).
+    """
+
+    kind: str
+    spec: str = ""
+
+
+@dataclass
 class SamplingParams:
     """Per-request generation settings. Validated by the frontend before they travel."""
 
@@ -120,6 +134,7 @@ class SamplingParams:
     # logit_bias: added to these tokens' logits before sampling (ids ascending, each once).
     logit_bias_ids: list[int] = field(default_factory=list)
     logit_bias_values: list[float] = field(default_factory=list)
+    structured: StructuredOutput | None = None
 
 
 @dataclass
@@ -286,6 +301,10 @@ class StepPlan:
     num_scheduled: bytes  # packed int32
     block_updates: list[BlockTableUpdate]
     finished_seq_ids: bytes  # packed int32
+    # Rows that sample under a grammar: their seq ids, and per id the allowed tokens as a
+    # bitmask of little-endian int32 words (bit j of word i: token 32 * i + j), row after row.
+    masked_seq_ids: bytes = b""  # packed int32
+    token_bitmask: bytes = b""
 
 
 @message(7)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from scheduler_proc.block_manager import BlockManager
 from scheduler_proc.request import Request, RequestStatus
+from scheduler_proc.structured import ConstrainedRequests
 
 # The scheduler's own logger: these lines have always come from it.
 logger = logging.getLogger("scheduler_proc.scheduler")
@@ -30,6 +31,7 @@ class RequestEndings:
     _finished_seq_ids: list[int]
     _clock: Callable[[], float]
     block_manager: BlockManager
+    constrained: ConstrainedRequests
     num_preemptions: int
 
     def __init__(self) -> None:
@@ -100,6 +102,8 @@ class RequestEndings:
     def _finish(self, request: Request, finish_reason: str, stop_reason: int | str | None) -> None:
         """End the request now; its blocks are freed and its summary logged by the next
         ``run_deferred``, once its last output is on its way."""
+        if request.sampling.structured is not None:
+            self.constrained.drop(request)
         if request.status is RequestStatus.RUNNING:
             self._detach(request)
         elif request.status is RequestStatus.WAITING:

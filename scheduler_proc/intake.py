@@ -16,6 +16,7 @@ from pegainfer.protocol import ProtocolError, SeqOutput, StepResult, unpack_ids
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.request import Request
 from scheduler_proc.stop import check_stop
+from scheduler_proc.structured import ConstrainedRequests
 
 # The scheduler's own logger: these lines have always come from it.
 logger = logging.getLogger("scheduler_proc.scheduler")
@@ -27,6 +28,7 @@ class ResultIntake:
     _seq_to_request: dict[int, Request]
     _clock: Callable[[], float]
     prefix_cache: PrefixCache | None
+    constrained: ConstrainedRequests
     block_size: int
     eos_token_ids: frozenset[int]
     max_model_len: int
@@ -117,6 +119,8 @@ class ResultIntake:
             output_token_ids.append(token_id)
             num_output = len(output_token_ids)
             num_prompt = request.num_prompt_tokens
+            if request.grammar is not None:
+                self.constrained.accept(request, token_id)
             if (
                 prefix_cache is not None
                 and not request.prefix_chain_broken

@@ -32,6 +32,8 @@ logger = logging.getLogger("scheduler_proc")
 NAME = "scheduler"
 ACCEPTED = (TokenizedRequest, AbortRequests, StepResult)
 STATS_INTERVAL_S = 10.0
+# While a grammar compiles, wake this often to move its request on once it is ready.
+COMPILE_POLL_MS = 2
 DEFAULT_WATCHDOG_TIMEOUT_S = 300.0
 
 
@@ -83,9 +85,13 @@ class SchedulerLoop:
             wake_ms = int(self.publisher.seconds_until_due() * 1000) + 1
             if self.step_clock.oldest() is not None and self.watchdog.enabled:
                 wake_ms = min(wake_ms, 500)
+            if self.scheduler.num_compiling:
+                wake_ms = COMPILE_POLL_MS
             self.inbound.poll(min(idle_timeout_ms, wake_ms))
         for msg in ipc.drain(self.inbound, ACCEPTED, NAME):
             self.handle(msg)
+        if self.scheduler.num_compiling:
+            self._collect_grammars()
         self._plan()
         self._maybe_log_stats()
         oldest = self.step_clock.oldest()
@@ -120,11 +126,22 @@ class SchedulerLoop:
         # Only now, with the tokens on their way: free finished requests' blocks, log them.
         self.scheduler.run_deferred()
 
+    def _collect_grammars(self) -> None:
+        waiting = self.scheduler.num_waiting
+        for rejection in self.scheduler.collect_grammars():
+            self.extras.forget(rejection.request_id)
+            ipc.send(self.frontend, rejection)
+        if self.scheduler.num_waiting != waiting:
+            self._may_plan = True
+
     def _ready_to_plan(self) -> bool:
+        in_flight = self.scheduler.num_steps_in_flight
         return (
             self._may_plan
             and self.scheduler.has_work()
-            and self.scheduler.num_steps_in_flight < self.max_steps_in_flight
+            and in_flight < self.max_steps_in_flight
+            # A grammar's next mask needs the token in flight (scheduler_proc/structured.py).
+            and not (in_flight and self.scheduler.runs_constrained())
         )
 
     def _plan(self) -> None:
@@ -132,7 +149,9 @@ class SchedulerLoop:
             plan = self.scheduler.schedule()
             if plan is None:
                 self._may_plan = False
-                if self.scheduler.num_steps_in_flight == 0:
+                if self.scheduler.num_steps_in_flight == 0 and (
+                    self.scheduler.num_running or self.scheduler.num_waiting
+                ):
                     logger.warning(
                         "%d running and %d waiting requests, but none can be planned",
                         self.scheduler.num_running,

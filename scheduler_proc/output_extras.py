@@ -55,6 +55,11 @@ class OutputExtras:
         if detokenizer_needs(sampling):
             self._first_output_sampling[request_id] = sampling
 
+    def forget(self, request_id: str) -> None:
+        """A request refused after it was accepted: it will have no output."""
+        self._first_output_sampling.pop(request_id, None)
+        self._queue_times.pop(request_id, None)
+
     def on_planned(self, requests: list[Request]) -> None:
         """Requests that a plan starts on the workers for the first time."""
         now = self._clock()

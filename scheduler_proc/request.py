@@ -6,7 +6,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pegainfer.protocol import SamplingParams, SeqOutput, pack_ids
 
@@ -17,6 +17,7 @@ _pack_one_id = struct.Struct("<i").pack
 
 
 class RequestStatus(Enum):
+    COMPILING = "compiling"  # its structured-output grammar is being compiled
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -74,6 +75,9 @@ class Request:
     # The prompt packed as int32, as it arrived: a long prompt is sent to the workers and
     # looked up in the prefix cache without packing it again. Packed here when not given.
     prompt_packed: bytes = b""
+    # Structured output: the request's place in its grammar (scheduler_proc/grammar.py's
+    # RequestGrammar), once compiled; None for an unconstrained request.
+    grammar: Any = None
     # The prompt never changes, so its length is kept rather than measured per step.
     num_prompt_tokens: int = field(init=False)
 

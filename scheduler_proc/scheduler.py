@@ -26,6 +26,10 @@ cached prefix, so its first plan row has ``num_computed`` > 0 and its block tabl
 with those shared blocks. The full blocks a plan computes are indexed after it is built
 (``flush_prefix_cache``, a part of ``run_deferred``, done once the plan is sent), so only
 later steps, which the workers run after it, can read them.
+
+Structured output (structured.py): a constrained request waits for its grammar to compile,
+is not planned while its previous token is in flight, and each plan carries the masks of
+its constrained rows that sample.
 """
 
 from __future__ import annotations
@@ -49,9 +53,10 @@ from scheduler_proc.endings import RequestEndings
 from scheduler_proc.intake import ResultIntake
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.request import Request, RequestStatus
-from scheduler_proc.stats import SchedulerStats
+from scheduler_proc.stats import SchedulerStats, collect_stats
 from scheduler_proc.step_builder import StepBuilder
 from scheduler_proc.stop import stop_screen
+from scheduler_proc.structured import ConstrainedRequests
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +83,7 @@ class Scheduler(ResultIntake, RequestEndings):
             PrefixCache(self.block_manager) if config.enable_prefix_caching else None
         )
         self._clock = clock
+        self.constrained = ConstrainedRequests(config)
 
         self._requests: dict[str, Request] = {}  # every waiting or running request
         self._waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
@@ -109,7 +115,17 @@ class Scheduler(ResultIntake, RequestEndings):
     # -- queries ---------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self.constrained.compiling)
+
+    @property
+    def num_compiling(self) -> int:
+        """Constrained requests whose grammar is still compiling."""
+        return len(self.constrained.compiling)
+
+    def runs_constrained(self) -> bool:
+        """Whether a running request samples under a grammar: the next step may then be
+        planned only once every step in flight has answered."""
+        return self.constrained.num_live > 0 and any(r.grammar is not None for r in self._running)
 
     @property
     def num_running(self) -> int:
@@ -140,20 +156,7 @@ class Scheduler(ResultIntake, RequestEndings):
         return self._seq_to_request.get(seq_id)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            kv_cache_usage=self.kv_cache_usage,
-            num_free_blocks=self.block_manager.num_free_blocks,
-            num_preemptions=self.num_preemptions,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
-            num_steps_in_flight=self.num_steps_in_flight,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
-            prompt_tokens_computed=self.prompt_tokens_computed,
-            num_cached_blocks=self.block_manager.num_cached_blocks,
-        )
+        return collect_stats(self)
 
     # -- inbound ---------------------------------------------------------------------------
 
@@ -186,8 +189,20 @@ class Scheduler(ResultIntake, RequestEndings):
         )
         self._next_arrival_index += 1
         self._requests[request.request_id] = request
+        if tokenized.sampling.structured is not None:
+            rejection = self.constrained.start(request)
+            if rejection is not None:
+                del self._requests[request.request_id]
+            return rejection
         self._waiting.append(request)
         return None
+
+    def collect_grammars(self) -> list[RequestRejected]:
+        """Move the requests whose grammar has compiled to the waiting queue; refuse those
+        whose constraint did not compile (their rejections, for the frontend)."""
+        ready, rejections = self.constrained.settle(self._requests)
+        self._waiting.extend(ready)
+        return rejections
 
     def abort(self, request_ids: Iterable[str]) -> list[SeqOutput]:
         """``apply_aborts``, and the deferred bookkeeping (their blocks freed) at once."""
@@ -263,7 +278,12 @@ class Scheduler(ResultIntake, RequestEndings):
         self._next_step_id += 1
         self._in_flight[step_id] = batch.samplers
         finished, self._finished_seq_ids = self._finished_seq_ids, []
-        return batch.build(step_id, finished)
+        plan = batch.build(step_id, finished)
+        if self.constrained.num_live:
+            plan.masked_seq_ids, plan.token_bitmask = self.constrained.masks(
+                batch.requests, batch.samplers
+            )
+        return plan
 
     def _plan_running(
         self, batch: StepBuilder, unindexed: list[Request] | None
@@ -296,9 +316,13 @@ class Scheduler(ResultIntake, RequestEndings):
             num_prompt = request.num_prompt_tokens
             known = num_prompt + num_output + pending  # the length the workers know
             if pending > 0 and (
-                num_output + pending >= request.sampling.max_tokens or known >= max_model_len
+                num_output + pending >= request.sampling.max_tokens
+                or known >= max_model_len
+                or request.grammar is not None
             ):
-                continue  # its last token is in flight; another step would sample past it
+                # Its last token is in flight, and another step would sample past it; or
+                # its grammar's next mask waits for the token in flight.
+                continue
             num_new = min(known - computed, budget)
             if num_new <= 0:
                 continue

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler_proc.scheduler import Scheduler
 
 
 @dataclass
@@ -21,3 +25,22 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of those, tokens found
     prompt_tokens_computed: int = 0  # prompt tokens prefilled (recomputation included)
     num_cached_blocks: int = 0  # unreferenced blocks kept for the prefix cache
+
+
+def collect_stats(scheduler: Scheduler) -> SchedulerStats:
+    """The scheduler's counters now. Requests whose grammar compiles count as waiting."""
+    block_manager = scheduler.block_manager
+    return SchedulerStats(
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting + scheduler.num_compiling,
+        kv_cache_usage=scheduler.kv_cache_usage,
+        num_free_blocks=block_manager.num_free_blocks,
+        num_preemptions=scheduler.num_preemptions,
+        prompt_tokens_total=scheduler.prompt_tokens_total,
+        generation_tokens_total=scheduler.generation_tokens_total,
+        num_steps_in_flight=scheduler.num_steps_in_flight,
+        prefix_cache_queries=scheduler.prefix_cache_queries,
+        prefix_cache_hits=scheduler.prefix_cache_hits,
+        prompt_tokens_computed=scheduler.prompt_tokens_computed,
+        num_cached_blocks=block_manager.num_cached_blocks,
+    )

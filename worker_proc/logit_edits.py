@@ -1,4 +1,5 @@
-"""Edits of a few logits of some rows before sampling: ``logit_bias`` and ``min_tokens``.
+"""Edits of some rows' logits before sampling: ``logit_bias``, ``min_tokens``, and the
+grammar of a request with structured output.
 
 A request's ``logit_bias`` adds its values to its tokens' logits at every step. A request
 whose output is still shorter than ``min_tokens`` cannot end it: its stop tokens (the
@@ -11,6 +12,9 @@ An edit is sparse: ``[rows, n]`` token ids and values, padded per row with a rep
 first id and a value that changes nothing (0 added, -inf set again). The bias is fixed for
 a batch's composition; the stop-token mask changes when a row reaches its ``min_tokens``,
 which the host knows at every step from the sequence's length.
+
+A grammar's edit is dense: the scheduler sends, per constrained row, a bitmask of the tokens
+its grammar allows next (scheduler_proc/grammar.py); every other logit becomes -inf.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ import torch
 
 from pegainfer.protocol import SamplingParams
 from worker_proc.upload import Uploader
+
+
+class HasSeqId(Protocol):
+    seq_id: int
 
 
 class SequenceLength(Protocol):
@@ -147,3 +155,45 @@ class StopMasks:
             if not active:
                 self._rows = []  # lengths only grow: no row needs a mask again
         return self._edits
+
+
+@dataclass
+class AllowedTokens:
+    """Rows ``batch_rows`` may draw only the tokens set in their ``bitmask`` rows."""
+
+    batch_rows: torch.Tensor  # [r] int64
+    bitmask: torch.Tensor  # [r, words] int32: bit j of word i allows token 32 * i + j
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set the other tokens' logits of ``logits [N, vocab]`` (float32) to -inf, in place."""
+        vocab = logits.shape[1]
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        bits = (self.bitmask.unsqueeze(-1) >> shifts) & 1  # the sign bit shifts down too
+        allowed = bits.view(self.bitmask.shape[0], -1)[:, :vocab].bool()
+        rows = logits.index_select(0, self.batch_rows)
+        logits.index_copy_(0, self.batch_rows, rows.masked_fill_(~allowed, float("-inf")))
+
+
+def allowed_tokens(
+    masked_seq_ids: Sequence[int],
+    token_bitmask: bytes,
+    samplers: Sequence[HasSeqId],
+    vocab_size: int,
+    uploader: Uploader,
+) -> AllowedTokens | None:
+    """The step's grammar masks, for the sampling rows ``samplers``, or None."""
+    if not masked_seq_ids:
+        return None
+    row_of = {seq.seq_id: i for i, seq in enumerate(samplers)}
+    try:
+        rows = [row_of[seq_id] for seq_id in masked_seq_ids]
+    except KeyError as exc:
+        raise ValueError(f"a token mask for seq {exc.args[0]}, which samples no token") from None
+    words = np.frombuffer(token_bitmask, dtype="<i4")
+    if len(words) % len(rows) or (len(words) // len(rows)) * 32 < vocab_size:
+        raise ValueError(
+            f"a token bitmask of {len(words)} words for {len(rows)} rows of {vocab_size} tokens"
+        )
+    arrays = [np.asarray(rows, dtype=np.int64), words.astype(np.int32).reshape(len(rows), -1)]
+    batch_rows, bitmask = uploader.upload(arrays)
+    return AllowedTokens(batch_rows, bitmask)

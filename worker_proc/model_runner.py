@@ -55,7 +55,7 @@ from worker_proc.layers.attention import bind_kv_caches
 from worker_proc.live_seqs import LiveSequences
 from worker_proc.live_seqs import PlanError as PlanError  # re-exported for callers
 from worker_proc.loader import load_model
-from worker_proc.logit_edits import StopMasks
+from worker_proc.logit_edits import StopMasks, allowed_tokens
 from worker_proc.logprobs import LogprobsCollector, wants_prompt_hidden
 from worker_proc.model_config import load_model_config
 from worker_proc.parallel_state import broadcast_from_rank0, init_distributed
@@ -216,7 +216,7 @@ class ModelRunner:
         except TokensNotOnHost:
             self._copy_back_all()
             layout = layout_step(*args)
-        self._run(plan.step_id, seqs, layout, size, prefill_size)
+        self._run(plan.step_id, seqs, layout, size, prefill_size, plan)
 
     def _run(
         self,
@@ -225,6 +225,7 @@ class ModelRunner:
         layout: StepLayout,
         size: int | None,
         prefill_size: int | None = None,
+        plan: StepPlan | None = None,
     ) -> None:
         (
             input_ids,
@@ -318,6 +319,17 @@ class ModelRunner:
         samplers = [seqs[row] for row in layout.sample_rows]
         batch = self._sampling_batch(samplers)
         if self.rank == 0:
+            allowed = (
+                allowed_tokens(
+                    unpack_ids(plan.masked_seq_ids),
+                    plan.token_bitmask,
+                    samplers,
+                    logits.shape[1],
+                    self.uploader,
+                )
+                if plan is not None and plan.masked_seq_ids
+                else None
+            )
             tokens = self.sampler.sample(
                 logits,
                 batch,
@@ -325,6 +337,7 @@ class ModelRunner:
                 self.penalties,
                 greedy_tokens=greedy_tokens,
                 stop_mask=self.stop_masks.for_step(),
+                allowed=allowed,
             )
         else:  # rank 0's tokens are the tokens; the others receive them (parallel_state)
             tokens = torch.empty(len(samplers), dtype=torch.int64, device=self.device)

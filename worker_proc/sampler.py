@@ -37,7 +37,7 @@ import kernels
 from kernels.sampling_candidates import race_candidates
 from kernels.sampling_race import race_rows
 from pegainfer.protocol import SamplingParams
-from worker_proc.logit_edits import TokenEdits, bias_edits
+from worker_proc.logit_edits import AllowedTokens, TokenEdits, bias_edits
 from worker_proc.penalties import PenaltyTable, penalty_arrays
 from worker_proc.sampling_noise import (
     mix32,
@@ -297,6 +297,7 @@ class Sampler:
         penalties: PenaltyTable | None = None,
         greedy_tokens: torch.Tensor | None = None,
         stop_mask: TokenEdits | None = None,
+        allowed: AllowedTokens | None = None,
     ) -> torch.Tensor:
         """``logits [N, vocab]`` (the model's dtype or float32) -> token ids ``[N]`` int64
         on the device. Greedy rows take the argmax of the logits as they are (a float32 copy
@@ -309,8 +310,9 @@ class Sampler:
         (the decode graph takes it), used unless an edit or a penalty changes the logits.
         ``stop_mask``: this step's ``min_tokens`` mask (worker_proc/logit_edits.py); it and
         the rows' ``logit_bias`` edit a float32 copy of the logits, before the penalties.
+        ``allowed``: the grammar masks of rows with structured output, applied last.
         """
-        edits = [edit for edit in (batch.bias, stop_mask) if edit is not None]
+        edits = [edit for edit in (batch.bias, stop_mask, allowed) if edit is not None]
         if edits:
             logits = logits.to(torch.float32, copy=True)
             for edit in edits:

@@ -1,0 +1,117 @@
+"""Structured output: the constraint a request puts on what it generates.
+
+A request names it in one of these ways (as OpenAI and vLLM accept them), on either endpoint:
+
+- ``response_format``: ``{"type": "json_object"}`` (any JSON object) or ``{"type":
+  "json_schema", "json_schema": {"name": ..., "schema": {...}}}``; ``{"type": "text"}`` is
+  no constraint;
+- ``structured_outputs``: an object with one of ``json`` (a schema), ``json_object``
+  (true), ``regex``, ``choice`` (a list of strings) or ``grammar`` (EBNF);
+- the older fields ``guided_json``, ``guided_regex``, ``guided_choice`` and
+  ``guided_grammar``.
+
+Here only the shapes are checked; the scheduler compiles the constraint (with the model's
+vocabulary) and refuses, with a 400, one that does not compile.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from frontend_proc.errors import invalid
+from pegainfer.protocol import StructuredOutput
+
+LEGACY_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", *LEGACY_FIELDS})
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def parse_structured_output(body: dict[str, Any]) -> StructuredOutput | None:
+    """The request's constraint, or None. More than one is a 400."""
+    found: list[tuple[str, StructuredOutput]] = []
+    response_format = body.get("response_format")
+    if response_format is not None:
+        constraint = _response_format(response_format)
+        if constraint is not None:
+            found.append(("response_format", constraint))
+    structured = body.get("structured_outputs")
+    if structured is not None:
+        constraint = _structured_outputs(structured)
+        if constraint is not None:
+            found.append(("structured_outputs", constraint))
+    for name, kind in LEGACY_FIELDS.items():
+        value = body.get(name)
+        if value is not None:
+            found.append((name, _constraint(kind, value, name)))
+    if len(found) > 1:
+        names = ", ".join(f"'{name}'" for name, _ in found)
+        raise invalid(f"a request may carry one output constraint, not {names}", found[1][0])
+    return found[0][1] if found else None
+
+
+def _response_format(value: Any) -> StructuredOutput | None:
+    param = "response_format"
+    if not isinstance(value, dict):
+        raise invalid("'response_format' must be an object", param)
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise invalid("'response_format.json_schema' must be an object", param)
+        schema = spec.get("schema")
+        if schema is None:
+            raise invalid("'response_format.json_schema.schema' is required", param)
+        return _constraint("json", schema, param)
+    raise invalid("'response_format.type' must be 'text', 'json_object' or 'json_schema'", param)
+
+
+def _structured_outputs(value: Any) -> StructuredOutput | None:
+    param = "structured_outputs"
+    if not isinstance(value, dict):
+        raise invalid("'structured_outputs' must be an object", param)
+    given = [kind for kind in _KINDS if value.get(kind) not in (None, False)]
+    unknown = [key for key, v in value.items() if key not in _KINDS and v not in (None, False)]
+    if unknown:
+        raise invalid(f"'structured_outputs.{unknown[0]}' is not supported", param)
+    if len(given) > 1:
+        raise invalid(f"'structured_outputs' may set one of {', '.join(_KINDS)}", param)
+    if not given:
+        return None
+    return _constraint(given[0], value[given[0]], param)
+
+
+def _constraint(kind: str, value: Any, param: str) -> StructuredOutput:
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise invalid(f"the JSON schema in '{param}' is not JSON: {exc}", param) from None
+        if not isinstance(value, dict):
+            raise invalid(f"the JSON schema in '{param}' must be an object", param)
+        return StructuredOutput("json", json.dumps(value))
+    if kind == "json_object":
+        if value is not True:
+            raise invalid(f"'{param}.json_object' must be true", param)
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise invalid(f"the choices in '{param}' must be a list of non-empty strings", param)
+        return StructuredOutput("choice", json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise invalid(f"the {kind} in '{param}' must be a non-empty string", param)
+    return StructuredOutput(kind, value)

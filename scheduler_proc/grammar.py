@@ -1,0 +1,167 @@
+"""Structured output: a constrained request's grammar, and the tokens it allows next.
+
+A request with ``SamplingParams.structured`` gets a grammar (xgrammar) compiled from its JSON
+schema, regex, choice list or EBNF, on a thread of its own, so that a slow compile never
+holds up the steps of the running batch; the request waits meanwhile. Once admitted, it has
+a matcher that takes each of its sampled tokens as the step results arrive, and before
+each step that samples for it, writes the bitmask of the tokens that may come next into the
+step plan; the sampling worker sets every other token's logit to -inf.
+
+xgrammar, and the torch and transformers it imports, load with the first constrained
+request: a server that never gets one keeps the scheduler small. The tokenizer's vocabulary
+is read then too, with the model's vocabulary size (the logits' width, which may exceed the
+tokenizer's) and its EOS ids as the tokens that end a finished grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from pegainfer.protocol import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# A run of whitespace inside JSON is cut at this many characters: allowed anywhere, any
+# whitespace would let a model stall in it for the rest of its tokens.
+MAX_JSON_WHITESPACE = 16
+# xgrammar's errors begin with the time and its source line: "[03:36:14] /path/file.cc:94: ".
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class GrammarError(ValueError):
+    """The request's constraint does not compile; the message says why (for a 400)."""
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """The EBNF grammar whose sentences are exactly ``choices``."""
+    # JSON string syntax is also EBNF string-literal syntax (the same escapes).
+    return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
+
+
+class GrammarCompiler:
+    """Compiles constraints on one background thread; ``submit`` returns at once."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._executor: ThreadPoolExecutor | None = None
+        self._compiler: Any = None  # xgrammar.GrammarCompiler, made on the thread
+        self._lock = threading.Lock()
+
+    def submit(self, structured: StructuredOutput) -> Future:
+        """A future of the compiled grammar; it raises ``GrammarError`` if it cannot be."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        return self._executor.submit(self.compile, structured)
+
+    def compile(self, structured: StructuredOutput) -> Any:
+        compiler = self._backend()
+        kind, spec = structured.kind, structured.spec
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(
+                    spec, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE
+                )
+            if kind == "json_object":
+                # Any object: strict mode would close objects without properties to "{}".
+                return compiler.compile_json_schema(
+                    '{"type": "object"}',
+                    any_whitespace=True,
+                    max_whitespace_cnt=MAX_JSON_WHITESPACE,
+                    strict_mode=False,
+                )
+            if kind == "regex":
+                return compiler.compile_regex(spec)
+            if kind == "choice":
+                choices = json.loads(spec)
+                return compiler.compile_grammar(choice_grammar(choices))
+            if kind == "grammar":
+                return compiler.compile_grammar(spec)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            reason = _LOG_PREFIX.sub("", str(exc)).strip()
+            raise GrammarError(f"the {kind} constraint does not compile: {reason}") from None
+        raise GrammarError(f"unknown structured output kind {kind!r}")
+
+    def _backend(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = self._make_compiler()
+            return self._compiler
+
+    def _make_compiler(self) -> Any:
+        import time
+
+        started = time.monotonic()
+        import transformers
+        import xgrammar
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+        )
+        compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        logger.info(
+            "structured output ready in %.2f s (xgrammar, %d-token vocabulary)",
+            time.monotonic() - started,
+            self.vocab_size,
+        )
+        return compiler
+
+    def bitmask_words(self) -> int:
+        """int32 words of one row's bitmask."""
+        return (self.vocab_size + 31) // 32
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestGrammar:
+    """One request's place in its grammar."""
+
+    __slots__ = ("matcher", "num_rejected")
+
+    def __init__(self, compiled: Any) -> None:
+        import xgrammar
+
+        self.matcher = xgrammar.GrammarMatcher(compiled)
+        self.num_rejected = 0
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar does not allow it (the mask
+        makes that impossible unless the grammar has already ended)."""
+        if self.matcher.is_terminated():
+            return False
+        accepted = self.matcher.accept_token(token_id)
+        if not accepted:
+            self.num_rejected += 1
+        return accepted
+
+    def fill(self, bitmask: Any, row: int) -> None:
+        """Write the tokens allowed next into row ``row`` of ``bitmask`` (int32 [rows, words])."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class BitmaskBuffer:
+    """The step's bitmask rows, one array reused across steps."""
+
+    def __init__(self, words: int) -> None:
+        self.words = words
+        self._buffer: Any = None
+
+    def pack(self, grammars: list[RequestGrammar]) -> bytes:
+        import torch
+
+        rows = len(grammars)
+        if self._buffer is None or self._buffer.shape[0] < rows:
+            self._buffer = torch.empty((max(rows, 8), self.words), dtype=torch.int32)
+        for row, grammar in enumerate(grammars):
+            grammar.fill(self._buffer, row)
+        return self._buffer[:rows].numpy().astype("<i4", copy=False).tobytes()

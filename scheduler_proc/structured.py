@@ -1,0 +1,123 @@
+"""The scheduler's constrained requests (structured output): those whose grammar is still
+compiling, and the bitmasks of the running ones.
+
+A request with a constraint waits in ``compiling`` (status COMPILING) until its grammar is
+ready, then joins the waiting queue like any other; one whose constraint does not compile is
+refused with a 400. While a constrained request runs, the scheduler plans a step only once
+the step before has answered: a grammar's next mask depends on the token just sampled,
+which the scheduler must have seen. Unconstrained batches keep two steps in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+
+from pegainfer.config import EngineConfig
+from pegainfer.protocol import RequestRejected, pack_ids
+from scheduler_proc.admission import reject
+from scheduler_proc.grammar import BitmaskBuffer, GrammarCompiler, GrammarError, RequestGrammar
+from scheduler_proc.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class ConstrainedRequests:
+    def __init__(self, config: EngineConfig) -> None:
+        self._config = config
+        self._compiler: GrammarCompiler | None = None
+        self._bitmask: BitmaskBuffer | None = None
+        self.compiling: list[Request] = []
+        self._futures: dict[str, Future] = {}
+        # Constrained requests not finished (compiling, waiting or running): while none,
+        # planning skips every grammar check.
+        self.num_live = 0
+
+    def _get_compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            model = self._config.model
+            if model is None:
+                raise GrammarError("structured output needs the model's tokenizer")
+            self._compiler = GrammarCompiler(
+                self._config.model_path, model.vocab_size, list(model.eos_token_ids)
+            )
+            self._bitmask = BitmaskBuffer(self._compiler.bitmask_words())
+        return self._compiler
+
+    def start(self, request: Request) -> RequestRejected | None:
+        """Start compiling the request's grammar; it waits in ``compiling`` meanwhile."""
+        structured = request.sampling.structured
+        assert structured is not None
+        try:
+            future = self._get_compiler().submit(structured)
+        except GrammarError as exc:
+            return reject(request.request_id, str(exc), "response_format")
+        request.status = RequestStatus.COMPILING
+        self._futures[request.request_id] = future
+        self.compiling.append(request)
+        self.num_live += 1
+        return None
+
+    def settle(self, requests: dict[str, Request]) -> tuple[list[Request], list[RequestRejected]]:
+        """The requests whose grammar is now ready (their matchers made), and the
+        rejections of those whose constraint failed to compile, which leave ``requests``."""
+        ready: list[Request] = []
+        rejections: list[RequestRejected] = []
+        still: list[Request] = []
+        for request in self.compiling:
+            future = self._futures[request.request_id]
+            if not future.done():
+                still.append(request)
+                continue
+            del self._futures[request.request_id]
+            try:
+                request.grammar = RequestGrammar(future.result())
+                request.status = RequestStatus.WAITING
+                ready.append(request)
+                continue
+            except GrammarError as exc:
+                reason = str(exc)
+            except Exception as exc:  # a compiler failure must not take the scheduler down
+                logger.exception("compiling the constraint of %s failed", request.request_id)
+                reason = f"the constraint could not be compiled: {exc}"
+            self.num_live -= 1
+            del requests[request.request_id]
+            request.status = RequestStatus.FINISHED
+            rejections.append(reject(request.request_id, reason, "response_format"))
+        self.compiling = still
+        return ready, rejections
+
+    def drop(self, request: Request) -> None:
+        """A request leaves for good (finished or aborted)."""
+        if request.sampling.structured is None:
+            return
+        if request.status is RequestStatus.COMPILING:
+            self.compiling.remove(request)
+            future = self._futures.pop(request.request_id, None)
+            if future is not None:
+                future.cancel()
+        self.num_live -= 1
+        request.grammar = None
+
+    def accept(self, request: Request, token_id: int) -> None:
+        grammar = request.grammar
+        assert grammar is not None
+        if not grammar.accept(token_id) and grammar.num_rejected == 1:
+            logger.warning(
+                "request %s: token %d is outside its grammar", request.request_id, token_id
+            )
+
+    def masks(self, requests: list[Request], samplers: list[int]) -> tuple[bytes, bytes]:
+        """The plan's ``masked_seq_ids`` and ``token_bitmask`` for the constrained rows that
+        sample in it."""
+        sampling = set(samplers)
+        rows = [r for r in requests if r.grammar is not None and r.seq_id in sampling]
+        if not rows:
+            return b"", b""
+        assert self._bitmask is not None
+        grammars = [r.grammar for r in rows]
+        return pack_ids([r.seq_id for r in rows]), self._bitmask.pack(grammars)  # type: ignore[arg-type]
+
+    def shutdown(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown()

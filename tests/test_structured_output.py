@@ -1,0 +1,353 @@
+"""Structured output without the process tree: the request fields, the scheduler's grammars
+and masks (with the real tokenizer of the tiny Qwen3), and the worker's edit of the logits."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from frontend_proc.errors import APIError
+from frontend_proc.structured_output import parse_structured_output
+from pegainfer.config import read_model_info
+from pegainfer.protocol import (
+    RequestRejected,
+    SamplingParams,
+    StepResult,
+    StructuredOutput,
+    TokenizedRequest,
+    pack_ids,
+    unpack_ids,
+)
+from scheduler_proc.grammar import choice_grammar
+from scheduler_proc.scheduler import Scheduler
+from tests.scheduler_sim import make_config
+from worker_proc.logit_edits import AllowedTokens, allowed_tokens
+from worker_proc.penalties import PenaltyTable
+from worker_proc.sampler import Sampler
+from worker_proc.upload import Uploader
+
+pytest.importorskip("xgrammar")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"enum": ["yes", "no"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["answer", "count"],
+    "additionalProperties": False,
+}
+
+
+# -- the request fields ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({}, None),
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+            StructuredOutput("json", json.dumps(SCHEMA)),
+        ),
+        ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, StructuredOutput("json", json.dumps(SCHEMA))),
+        ({"structured_outputs": {"regex": "a+"}}, StructuredOutput("regex", "a+")),
+        ({"structured_outputs": {"choice": ["x", "y"]}}, StructuredOutput("choice", '["x", "y"]')),
+        ({"structured_outputs": {"json_object": True}}, StructuredOutput("json_object")),
+        ({"structured_outputs": {"grammar": 'root ::= "a"'}}, StructuredOutput("grammar", 'root ::= "a"')),
+        ({"guided_regex": "[0-9]+"}, StructuredOutput("regex", "[0-9]+")),
+        ({"guided_choice": ["a"]}, StructuredOutput("choice", '["a"]')),
+        ({"guided_json": SCHEMA}, StructuredOutput("json", json.dumps(SCHEMA))),
+        ({"guided_grammar": 'root ::= "b"'}, StructuredOutput("grammar", 'root ::= "b"')),
+    ],
+)  # fmt: skip
+def test_each_way_of_asking_gives_its_constraint(body, expected) -> None:
+    assert parse_structured_output(body) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": "json"}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+        ({"structured_outputs": {"json": [1]}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"guided_choice": ["a", 3]}, "guided_choice"),
+        ({"guided_regex": ""}, "guided_regex"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ],
+)  # fmt: skip
+def test_malformed_constraints_are_a_400_naming_the_field(body, param) -> None:
+    with pytest.raises(APIError) as caught:
+        parse_structured_output(body)
+    assert caught.value.status == 400
+    assert caught.value.param == param
+
+
+def test_a_choice_grammar_quotes_its_strings() -> None:
+    assert choice_grammar(['a "b"', "c\\d\n"]) == 'root ::= "a \\"b\\"" | "c\\\\d\\n"'
+
+
+# -- the scheduler --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_config(tiny_qwen3_dir):
+    model = read_model_info(tiny_qwen3_dir)
+    return make_config(
+        model_path=tiny_qwen3_dir,
+        model=model,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        num_kv_blocks=256,
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_qwen3_dir):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(f"{tiny_qwen3_dir}/tokenizer.json")
+
+
+def request(request_id: str, structured: StructuredOutput | None, **sampling) -> TokenizedRequest:
+    return TokenizedRequest(
+        request_id=request_id,
+        prompt_token_ids=pack_ids([9707, 11, 1879]),
+        sampling=SamplingParams(max_tokens=sampling.pop("max_tokens", 40), structured=structured, **sampling),
+        arrival_time=time.time(),
+    )  # fmt: skip
+
+
+def settle(scheduler: Scheduler, timeout: float = 60.0) -> list[RequestRejected]:
+    """Wait for the compiles in progress; the rejections they made."""
+    deadline = time.monotonic() + timeout
+    rejections = []
+    while scheduler.num_compiling:
+        assert time.monotonic() < deadline, "a grammar took too long to compile"
+        rejections += scheduler.collect_grammars()
+        time.sleep(0.005)
+    return rejections
+
+
+def allowed_ids(plan, seq_id: int, vocab_size: int) -> np.ndarray:
+    seq_ids = unpack_ids(plan.masked_seq_ids)
+    words = np.frombuffer(plan.token_bitmask, dtype="<i4").reshape(len(seq_ids), -1)
+    bits = np.unpackbits(words[seq_ids.index(seq_id)].view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits[:vocab_size])
+
+
+def answer(plan, samplers: list[int], vocab_size: int, rng: np.random.Generator) -> StepResult:
+    """A worker that draws each constrained row's token at random among the allowed ones,
+    and gives the others token 100."""
+    masked = set(unpack_ids(plan.masked_seq_ids))
+    tokens = [
+        int(rng.choice(allowed_ids(plan, seq_id, vocab_size))) if seq_id in masked else 100
+        for seq_id in samplers
+    ]
+    return StepResult(step_id=plan.step_id, seq_ids=pack_ids(samplers), token_ids=pack_ids(tokens))
+
+
+def run_to_end(scheduler: Scheduler, vocab_size: int, seed: int = 0, max_steps: int = 500):
+    """Plan and answer one step at a time until idle; every request's tokens and finish."""
+    rng = np.random.default_rng(seed)
+    outputs: dict[str, list[int]] = {}
+    finishes: dict[str, str] = {}
+    for _ in range(max_steps):
+        settle(scheduler)
+        plan = scheduler.schedule()
+        if plan is None:
+            break
+        result = answer(plan, list(scheduler._in_flight[plan.step_id]), vocab_size, rng)
+        for output in scheduler.on_step_result(result):
+            outputs.setdefault(output.request_id, []).extend(unpack_ids(output.new_token_ids))
+            if output.finish_reason is not None:
+                finishes[output.request_id] = output.finish_reason
+    assert not scheduler.has_work()
+    return outputs, finishes
+
+
+@pytest.mark.parametrize(
+    ("structured", "check"),
+    [
+        (StructuredOutput("choice", '["alpha", "beta", "gamma delta"]'),
+         lambda text: text in ("alpha", "beta", "gamma delta")),
+        (StructuredOutput("regex", "[0-9]{3}-[a-z]{2}"),
+         lambda text: re.fullmatch("[0-9]{3}-[a-z]{2}", text) is not None),
+        (StructuredOutput("grammar", 'root ::= "(" [a-c]* ")"'),
+         lambda text: re.fullmatch(r"\([a-c]*\)", text) is not None),
+    ],
+)  # fmt: skip
+def test_a_constrained_request_writes_only_what_its_grammar_allows(
+    qwen3_config, tokenizer, structured, check
+) -> None:
+    scheduler = Scheduler(qwen3_config)
+    eos = set(qwen3_config.model.eos_token_ids)
+    assert scheduler.add_request(request("c", structured, max_tokens=200)) is None
+    assert scheduler.add_request(request("free", None, max_tokens=5)) is None
+    assert scheduler.num_compiling == 1 and scheduler.has_work()
+    for seed in range(3):
+        if seed:
+            assert scheduler.add_request(request("c", structured, max_tokens=200)) is None
+        outputs, finishes = run_to_end(scheduler, qwen3_config.model.vocab_size, seed)
+        tokens = outputs["c"]
+        assert finishes["c"] == "stop" and tokens[-1] in eos, tokens
+        text = tokenizer.decode(tokens[:-1], skip_special_tokens=False)
+        assert check(text), text
+        if seed == 0:  # the unconstrained request beside it took no mask
+            assert outputs["free"] == [100] * 5 and finishes["free"] == "length"
+    assert scheduler.constrained.num_live == 0
+
+
+def test_a_json_schema_request_ends_with_a_valid_document(qwen3_config, tokenizer) -> None:
+    scheduler = Scheduler(qwen3_config)
+    structured = StructuredOutput("json", json.dumps(SCHEMA))
+    for seed in range(3):
+        assert scheduler.add_request(request(f"j{seed}", structured, max_tokens=250)) is None
+    outputs, finishes = run_to_end(scheduler, qwen3_config.model.vocab_size, seed=7)
+    for seed in range(3):
+        tokens = outputs[f"j{seed}"]
+        assert finishes[f"j{seed}"] == "stop", tokenizer.decode(tokens)
+        document = json.loads(tokenizer.decode(tokens[:-1]))
+        assert document["answer"] in ("yes", "no") and 0 <= document["count"] <= 9
+        assert set(document) == {"answer", "count"}
+
+
+def test_masks_go_only_to_constrained_rows_that_sample(qwen3_config) -> None:
+    config = make_config(**{**qwen3_config.__dict__, "max_num_batched_tokens": 2})
+    scheduler = Scheduler(config)
+    scheduler.add_request(request("c", StructuredOutput("regex", "[ab]+")))
+    settle(scheduler)
+    scheduler.add_request(request("free", None))
+    plan = scheduler.schedule()  # a 2-token chunk of c's 3-token prompt: no sampling
+    assert plan is not None and plan.masked_seq_ids == b"" and plan.token_bitmask == b""
+    scheduler.on_step_result(StepResult(plan.step_id, b"", b""))
+    plan = scheduler.schedule()  # c's last prompt token, which samples, and free's first
+    assert plan is not None and len(unpack_ids(plan.seq_ids)) == 2
+    assert unpack_ids(plan.masked_seq_ids) == unpack_ids(plan.seq_ids)[:1]
+    words = (config.model.vocab_size + 31) // 32
+    assert len(plan.token_bitmask) == 4 * words
+    allowed = allowed_ids(plan, unpack_ids(plan.masked_seq_ids)[0], config.model.vocab_size)
+    assert 0 < len(allowed) < 1000  # tokens made of a and b only
+
+
+def test_a_constrained_row_waits_for_its_token_in_flight(qwen3_config) -> None:
+    scheduler = Scheduler(qwen3_config)
+    scheduler.add_request(request("c", StructuredOutput("regex", "[ab]+"), max_tokens=10))
+    scheduler.add_request(request("free", None, max_tokens=10))
+    settle(scheduler)
+    first = scheduler.schedule()
+    assert first is not None and len(unpack_ids(first.seq_ids)) == 2
+    assert scheduler.runs_constrained()
+    # A second plan before the first answers: the free row goes on, the constrained waits.
+    second = scheduler.schedule()
+    assert second is not None and len(unpack_ids(second.seq_ids)) == 1
+    assert second.masked_seq_ids == b""
+
+
+def test_a_constraint_that_does_not_compile_is_refused(qwen3_config) -> None:
+    scheduler = Scheduler(qwen3_config)
+    assert scheduler.add_request(request("bad", StructuredOutput("regex", "[a-"))) is None
+    (rejection,) = settle(scheduler)
+    assert rejection.request_id == "bad" and rejection.status == 400
+    assert "regex" in rejection.message and "Unclosed" in rejection.message
+    assert not re.match(r"\[\d", rejection.message.split(": ", 1)[1])  # no log prefix
+    assert scheduler.get_request("bad") is None and not scheduler.has_work()
+    assert scheduler.constrained.num_live == 0
+    # The id is free again.
+    assert scheduler.add_request(request("bad", StructuredOutput("regex", "a"))) is None
+
+
+def test_an_abort_while_compiling_forgets_the_request(qwen3_config) -> None:
+    scheduler = Scheduler(qwen3_config)
+    assert scheduler.add_request(request("c", StructuredOutput("json", json.dumps(SCHEMA)))) is None
+    (output,) = scheduler.abort(["c"])
+    assert output.finish_reason == "abort"
+    assert scheduler.num_compiling == 0 and not scheduler.has_work()
+    assert scheduler.constrained.num_live == 0
+    assert scheduler.schedule() is None
+
+
+# -- the worker's mask ----------------------------------------------------------------------
+
+
+def reference_mask(logits: torch.Tensor, rows: list[int], words: np.ndarray) -> torch.Tensor:
+    expected = logits.clone()
+    vocab = logits.shape[1]
+    for row, row_words in zip(rows, words):
+        for token in range(vocab):
+            if not (int(row_words[token // 32]) >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    return expected
+
+
+@pytest.mark.parametrize("vocab", [31, 64, 100, 1000])
+def test_the_mask_sets_every_disallowed_logit_to_minus_infinity(vocab) -> None:
+    generator = np.random.default_rng(vocab)
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab))
+    rows = [3, 0]
+    words = generator.integers(-(2**31), 2**31, size=(2, (vocab + 31) // 32), dtype=np.int64)
+    words = words.astype(np.int32)
+    expected = reference_mask(logits, rows, words)
+    samplers = [type("Seq", (), {"seq_id": s})() for s in (10, 11, 12, 13, 14)]
+    edit = allowed_tokens(
+        [13, 10], words.astype("<i4").tobytes(), samplers, vocab, Uploader(torch.device("cpu"))
+    )
+    assert edit is not None
+    edit.apply(logits)
+    assert torch.equal(logits, expected)
+
+
+def test_the_mask_refuses_rows_that_do_not_sample_and_short_bitmasks() -> None:
+    samplers = [type("Seq", (), {"seq_id": 4})()]
+    uploader = Uploader(torch.device("cpu"))
+    with pytest.raises(ValueError, match="samples no token"):
+        allowed_tokens([5], bytes(16), samplers, 100, uploader)
+    with pytest.raises(ValueError, match="bitmask"):
+        allowed_tokens([4], bytes(8), samplers, 100, uploader)
+    assert allowed_tokens([], b"", samplers, 100, uploader) is None
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=1.0, repetition_penalty=1.3, logit_bias_ids=[3], logit_bias_values=[100.0]),
+    ],
+)  # fmt: skip
+def test_the_sampler_draws_only_allowed_tokens(params) -> None:
+    vocab, rows = 300, 4
+    sampler = Sampler(torch.device("cpu"))
+    allowed_sets = [[7, 8], [250], [0, 31, 32, 299], [3 + 32 * i for i in range(9)]]
+    words = np.zeros((rows, (vocab + 31) // 32), dtype=np.uint32)
+    for row, ids in enumerate(allowed_sets):
+        for token in ids:
+            words[row, token // 32] |= np.uint32(1 << (token % 32))
+    edit = AllowedTokens(torch.arange(rows), torch.from_numpy(words.view(np.int32)))
+    cpu = torch.device("cpu")
+    penalties = PenaltyTable(vocab, cpu, Uploader(cpu))
+    table_rows = [penalties.admit([1, 2, 3], 3) for _ in range(rows)]
+    batch = sampler.prepare([params] * rows, vocab, table_rows)
+    for draw in range(20):
+        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(draw))
+        tokens = sampler.sample(logits, batch, penalties=penalties, allowed=edit).tolist()
+        for token, ids in zip(tokens, allowed_sets):
+            assert token in ids
+        if params.temperature == 0.0:
+            masked = reference_mask(logits, list(range(rows)), words.view(np.int32))
+            assert tokens == masked.argmax(dim=1).tolist()

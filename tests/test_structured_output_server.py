@@ -1,0 +1,269 @@
+"""Structured output through the real process tree, on the tiny random Qwen3: whatever the
+model's weights, the answer follows the constraint, and a greedy answer is HF's greedy
+answer under the same grammar's masks."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from tests.server_util import Server
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("xgrammar")
+
+PROMPT = "Reply in JSON:"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"enum": ["yes", "no"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["answer", "count"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("structured") / "pegainfer.log"
+    srv = Server(
+        "--model-path", tiny_qwen3_dir, "--kv-cache-memory", "64MiB",
+        "--max-model-len", "512", "--max-num-batched-tokens", "64",
+        log_path=str(log),
+    ).wait_ready()  # fmt: skip
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+    assert srv.leftovers() == []
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_qwen3_dir) -> Tokenizer:
+    return Tokenizer.from_file(f"{tiny_qwen3_dir}/tokenizer.json")
+
+
+def complete(server, **body) -> dict:
+    status, out = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 200, **body})
+    assert status == 200, out
+    return out["choices"][0]
+
+
+def hf_constrained_greedy(model_dir: str, prompt_ids: list[int], structured, count: int):
+    """HF's greedy tokens with every step's logits masked by the grammar, as the server
+    compiles it."""
+    import torch
+    import xgrammar
+    from transformers import AutoModelForCausalLM
+
+    from pegainfer.config import read_model_info
+    from scheduler_proc.grammar import GrammarCompiler, RequestGrammar
+
+    info = read_model_info(model_dir)
+    compiler = GrammarCompiler(model_dir, info.vocab_size, list(info.eos_token_ids))
+    grammar = RequestGrammar(compiler.compile(structured))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    bitmask = xgrammar.allocate_token_bitmask(1, info.vocab_size)
+    ids = list(prompt_ids)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(count):
+            logits = model(torch.tensor([ids])).logits[0, -1].float().clone()
+            grammar.fill(bitmask, 0)
+            xgrammar.apply_token_bitmask_inplace(logits.unsqueeze(0), bitmask)
+            token = int(logits.argmax())
+            out.append(token)
+            ids.append(token)
+            if token in info.eos_token_ids:
+                break
+            assert grammar.accept(token)
+    return out
+
+
+def test_greedy_json_schema_answer_is_hfs_under_the_same_masks(server, tiny_qwen3_dir, tokenizer):
+    from pegainfer.protocol import StructuredOutput
+
+    choice = complete(
+        server, temperature=0, response_format=JSON_SCHEMA_FORMAT, return_token_ids=True
+    )
+    assert choice["finish_reason"] == "stop", choice
+    document = json.loads(choice["text"])
+    assert document["answer"] in ("yes", "no") and 0 <= document["count"] <= 99
+    expected = hf_constrained_greedy(
+        tiny_qwen3_dir,
+        tokenizer.encode(PROMPT).ids,
+        StructuredOutput("json", json.dumps(SCHEMA)),
+        200,
+    )
+    assert choice["token_ids"] == expected
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sampled_answers_follow_the_schema(server, seed):
+    for body in (
+        {"response_format": JSON_SCHEMA_FORMAT},
+        {"structured_outputs": {"json": SCHEMA}},
+        {"guided_json": json.dumps(SCHEMA)},
+    ):
+        choice = complete(server, temperature=1.0, seed=seed, **body)
+        assert choice["finish_reason"] == "stop", choice
+        document = json.loads(choice["text"])
+        assert set(document) == {"answer", "count"} and document["answer"] in ("yes", "no")
+
+
+def test_choice_regex_and_grammar(server):
+    choices = ["red", "green", "dark blue"]
+    for seed in range(4):
+        choice = complete(
+            server, temperature=1.0, seed=seed, structured_outputs={"choice": choices}
+        )
+        assert choice["text"] in choices and choice["finish_reason"] == "stop"
+        choice = complete(server, temperature=1.0, seed=seed, guided_regex=r"\d{3}-[a-z]{2,4}")
+        assert re.fullmatch(r"\d{3}-[a-z]{2,4}", choice["text"]), choice
+        choice = complete(
+            server,
+            temperature=1.0,
+            seed=seed,
+            structured_outputs={"grammar": 'root ::= "<" [xyz]+ ">"'},
+        )
+        assert re.fullmatch(r"<[xyz]+>", choice["text"]), choice
+
+
+def test_chat_json_object_streams_what_it_answers(server):
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=120)
+    body = dict(
+        model="tiny-qwen30",
+        messages=[{"role": "user", "content": "a JSON object, please"}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+    )
+    body["model"] = client.models.list().data[0].id
+    whole = client.chat.completions.create(**body).choices[0]
+    assert whole.finish_reason == "stop"
+    assert json.loads(whole.message.content)["answer"] in ("yes", "no")
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(stream=True, **body)
+        if chunk.choices
+    )
+    assert streamed == whole.message.content
+    json_object = client.chat.completions.create(
+        **{**body, "response_format": {"type": "json_object"}, "max_tokens": 8}
+    ).choices[0]
+    assert json_object.message.content.startswith("{")
+
+
+def test_unconstrained_requests_beside_constrained_ones_are_unchanged(server):
+    alone = [complete(server, temperature=0, max_tokens=24, prompt=f"Story {i}:") for i in range(3)]
+    results: dict[str, dict] = {}
+
+    def run(name: str, **body) -> None:
+        results[name] = complete(server, **body)
+
+    threads = [
+        threading.Thread(target=run, args=(f"free{i}",), kwargs=dict(temperature=0, max_tokens=24, prompt=f"Story {i}:"))
+        for i in range(3)
+    ] + [
+        threading.Thread(target=run, args=(f"json{i}",), kwargs=dict(temperature=1.0, seed=i, response_format=JSON_SCHEMA_FORMAT))
+        for i in range(3)
+    ]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i in range(3):
+        assert results[f"free{i}"]["text"] == alone[i]["text"]
+        assert json.loads(results[f"json{i}"]["text"])["answer"] in ("yes", "no")
+
+
+def test_bad_constraints_are_400s_and_the_server_goes_on(server):
+    for body, words in (
+        ({"guided_regex": "[0-9"}, "Unclosed"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}}, "bogus"),
+        ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "grammar"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ):  # fmt: skip
+        status, out = server.post("/v1/completions", {"prompt": PROMPT, **body})
+        assert status == 400, out
+        assert words in out["error"]["message"]
+    assert complete(server, structured_outputs={"choice": ["ok"]})["text"] == "ok"
+    status, metrics = server.get("/health")
+    assert status == 200
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "get_time"}},
+]
+
+
+def chat(server, stream: bool = False, **body):
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=120)
+    fields = dict(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        max_tokens=120,
+        tools=TOOLS,
+        temperature=0,
+    )
+    return client.chat.completions.create(stream=stream, **{**fields, **body})
+
+
+def test_a_named_tool_choice_answers_with_that_call(server):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choice = chat(server, tool_choice=named).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    # Streamed: the call first, then its arguments, which add up to the same.
+    chunks = list(chat(server, stream=True, tool_choice=named))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def check_calls(calls) -> None:
+    for call in calls:
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert arguments["city"] in ("Paris", "Rome")
+        else:
+            assert call.function.name == "get_time" and arguments == {}
+
+
+def test_required_tool_choice_answers_with_calls(server):
+    # The random model may go on adding calls: an answer cut short keeps those it closed.
+    finishes = []
+    for seed in (None, 1, 2, 3):
+        sampling = dict(temperature=0) if seed is None else dict(temperature=1.0, seed=seed)
+        choice = chat(server, tool_choice="required", max_tokens=300, **sampling).choices[0]
+        finishes.append(choice.finish_reason)
+        assert choice.finish_reason in ("tool_calls", "length"), choice
+        if choice.finish_reason == "tool_calls":
+            assert choice.message.tool_calls and choice.message.content is None
+        check_calls(choice.message.tool_calls)
+        chunks = list(chat(server, stream=True, tool_choice="required", max_tokens=300, **sampling))
+        streamed = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        assert [(d.function.name, d.function.arguments) for d in streamed] == [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+        ]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finishes[-1]
+    assert "tool_calls" in finishes, finishes
