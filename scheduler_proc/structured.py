@@ -111,7 +111,15 @@ class ConstrainedRequests:
         """The plan's ``masked_seq_ids`` and ``token_bitmask`` for the constrained rows that
         sample in it."""
         sampling = set(samplers)
-        rows = [r for r in requests if r.grammar is not None and r.seq_id in sampling]
+        # A grammar that has ended (its stop token drawn, the request ignoring EOS) no
+        # longer constrains the tokens after it.
+        rows = [
+            r
+            for r in requests
+            if r.grammar is not None
+            and r.seq_id in sampling
+            and not r.grammar.matcher.is_terminated()
+        ]
         if not rows:
             return b"", b""
         assert self._bitmask is not None

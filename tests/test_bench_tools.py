@@ -460,14 +460,20 @@ def test_the_serving_client_leaves_out_the_fields_the_server_should_default():
             async with aiohttp.ClientSession() as session:
                 return [
                     await stream_completion(session, url, "m", [1, 2], 1, extra=extra)
-                    for extra in (*request_sampling("server"), *request_sampling("qwen3"))
+                    for extra in (
+                        *request_sampling("server"),
+                        *request_sampling("qwen3"),
+                        *request_sampling("greedy", "json"),
+                    )
                 ]
         finally:
             await runner.cleanup()
 
     results = asyncio.run(go())
     assert all(r.ok and r.output_tokens == 1 for r in results)
-    server_defaults, qwen3 = bodies
+    server_defaults, qwen3, constrained = bodies
+    assert constrained["temperature"] == 0.0
+    assert constrained["response_format"]["json_schema"]["schema"]["required"] == ["notes"]
     assert not {"temperature", "top_p", "top_k"} & set(server_defaults)
     assert server_defaults["max_tokens"] == 1 and server_defaults["ignore_eos"] is True
     assert (qwen3["temperature"], qwen3["top_p"], qwen3["top_k"]) == (0.6, 0.95, 20)

@@ -225,6 +225,21 @@ def test_a_json_schema_request_ends_with_a_valid_document(qwen3_config, tokenize
         assert set(document) == {"answer", "count"}
 
 
+def test_an_ended_grammar_leaves_a_request_ignoring_eos_unconstrained(
+    qwen3_config, tokenizer
+) -> None:
+    scheduler = Scheduler(qwen3_config)
+    structured = StructuredOutput("choice", '["yes"]')
+    scheduler.add_request(request("c", structured, max_tokens=12, ignore_eos=True))
+    outputs, finishes = run_to_end(scheduler, qwen3_config.model.vocab_size)
+    tokens = outputs["c"]
+    assert finishes["c"] == "length" and len(tokens) == 12
+    end = next(i for i, t in enumerate(tokens) if t in qwen3_config.model.eos_token_ids)
+    assert tokenizer.decode(tokens[:end]) == "yes"
+    # After its stop token, no mask: the sim worker gives unmasked rows token 100.
+    assert tokens[end + 1 :] == [100] * (len(tokens) - end - 1)
+
+
 def test_masks_go_only_to_constrained_rows_that_sample(qwen3_config) -> None:
     config = make_config(**{**qwen3_config.__dict__, "max_num_batched_tokens": 2})
     scheduler = Scheduler(config)
@@ -351,3 +366,42 @@ def test_the_sampler_draws_only_allowed_tokens(params) -> None:
         if params.temperature == 0.0:
             masked = reference_mask(logits, list(range(rows)), words.view(np.int32))
             assert tokens == masked.argmax(dim=1).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_constrained_rows_draw_only_allowed_tokens() -> None:
+    """bf16 logits of Qwen3's width, as a decode graph leaves them with its argmax: the
+    argmax is not used for a masked row, and every draw is an allowed token."""
+    cuda = torch.device("cuda")
+    vocab, rows = 151936, 8
+    generator = np.random.default_rng(0)
+    allowed_sets = [np.sort(generator.choice(vocab, size=1 + 7 * row, replace=False)) for row in range(rows)]  # fmt: skip
+    words = np.zeros((rows, (vocab + 31) // 32), dtype=np.uint32)
+    for row, ids in enumerate(allowed_sets):
+        np.bitwise_or.at(words[row], ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))
+    for params in (
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.6, top_p=0.95, top_k=20),
+        SamplingParams(temperature=1.0, top_p=0.9),
+    ):
+        for device in (torch.device("cpu"), cuda):
+            sampler = Sampler(device, uploader=Uploader(device))
+            batch = sampler.prepare([params] * rows, vocab)
+            uploader = Uploader(device)
+            samplers = [type("Seq", (), {"seq_id": s})() for s in range(rows)]
+            edit = allowed_tokens(
+                list(range(rows)), words.view(np.int32).tobytes(), samplers, vocab, uploader
+            )
+            for draw in range(5):
+                logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(draw))
+                logits = logits.to(torch.bfloat16).to(device)
+                greedy = logits.argmax(dim=1)  # what the graph took, unmasked
+                tokens = sampler.sample(logits, batch, greedy_tokens=greedy, allowed=edit)
+                tokens = tokens.cpu().tolist()
+                for token, ids in zip(tokens, allowed_sets):
+                    assert token in ids, (params, device)
+                if params.temperature == 0.0:
+                    best = [int(ids[logits[row, ids].float().argmax().item()]) for row, ids in enumerate(allowed_sets)]  # fmt: skip
+                    assert tokens == best

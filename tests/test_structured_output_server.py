@@ -34,7 +34,7 @@ JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "reply", "s
 def server(tiny_qwen3_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("structured") / "pegainfer.log"
     srv = Server(
-        "--model-path", tiny_qwen3_dir, "--kv-cache-memory", "64MiB",
+        "--model-path", tiny_qwen3_dir, "--device", "cpu", "--kv-cache-memory", "64MiB",
         "--max-model-len", "512", "--max-num-batched-tokens", "64",
         log_path=str(log),
     ).wait_ready()  # fmt: skip
@@ -267,3 +267,50 @@ def test_required_tool_choice_answers_with_calls(server):
         ]
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finishes[-1]
     assert "tool_calls" in finishes, finishes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_constrained_answers_follow_their_constraints(tiny_qwen3_dir, tmp_path):
+    """bf16 on the GPU, decode graphs and two steps in flight for the unconstrained."""
+    srv = Server(
+        "--model-path", tiny_qwen3_dir, "--device", "cuda", "--max-model-len", "512",
+        "--gpu-memory-utilization", "0.3", log_path=str(tmp_path / "pegainfer.log"),
+    ).wait_ready()  # fmt: skip
+    try:
+        results: dict[str, dict] = {}
+
+        def run(name: str, **body) -> None:
+            results[name] = complete(srv, **body)
+
+        threads = [
+            threading.Thread(target=run, args=(f"json{i}",), kwargs=dict(temperature=1.0, seed=i, response_format=JSON_SCHEMA_FORMAT))
+            for i in range(4)
+        ] + [
+            threading.Thread(target=run, args=(f"free{i}",), kwargs=dict(temperature=0, max_tokens=32, prompt=f"Story {i}:"))
+            for i in range(4)
+        ] + [
+            threading.Thread(target=run, args=(f"greedy{i}",), kwargs=dict(temperature=0, guided_regex=r"\d{3}-[a-z]{2,4}", prompt=f"Code {i}:"))
+            for i in range(4)
+        ]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for i in range(4):
+            document = json.loads(results[f"json{i}"]["text"])
+            assert document["answer"] in ("yes", "no") and 0 <= document["count"] <= 99
+            assert re.fullmatch(r"\d{3}-[a-z]{2,4}", results[f"greedy{i}"]["text"])
+            alone = complete(
+                srv, temperature=0, guided_regex=r"\d{3}-[a-z]{2,4}", prompt=f"Code {i}:"
+            )
+            assert alone["text"] == results[f"greedy{i}"]["text"]
+            free = complete(srv, temperature=0, max_tokens=32, prompt=f"Story {i}:")
+            assert free["text"] == results[f"free{i}"]["text"]
+        choice = chat(
+            srv, tool_choice={"type": "function", "function": {"name": "get_weather"}}
+        ).choices[0]
+        (call,) = choice.message.tool_calls
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]

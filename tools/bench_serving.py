@@ -65,11 +65,31 @@ LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 SERVER_DEFAULTS = "server"
 
 
-def request_sampling(choice: str) -> list[dict[str, Any]]:
+# --structured: a constraint on every answer (structured output). Each leaves room for the
+# whole output: with ignore_eos, an answer whose grammar has ended goes on unconstrained.
+STRUCTURED = {
+    "none": {},
+    "json": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "notes",
+                "schema": {
+                    "type": "object",
+                    "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
+                    "required": ["notes"],
+                },
+            },
+        }
+    },
+    "regex": {"structured_outputs": {"regex": "[a-z ,.]+"}},
+}
+
+
+def request_sampling(choice: str, structured: str = "none") -> list[dict[str, Any]]:
     """Each request's sampling fields; a None field is left out of the request."""
-    if choice == SERVER_DEFAULTS:
-        return [{"temperature": None}]
-    return SAMPLING_PRESETS[choice]
+    presets = [{"temperature": None}] if choice == SERVER_DEFAULTS else SAMPLING_PRESETS[choice]
+    return [{**preset, **STRUCTURED[structured]} for preset in presets]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the requests' sampling settings (tools/bench_sampler.py's presets; qwen3: "
         "temperature 0.6, top-p 0.95, top-k 20; server: no sampling field, so the server's "
         "defaults, e.g. the model's generation_config.json)",
+    )
+    p.add_argument(
+        "--structured",
+        choices=list(STRUCTURED),
+        default="none",
+        help="constrain every answer: json (a JSON schema), regex, or none",
     )
     p.add_argument("--model-path", default=None, help="checkpoint dir, for the roofline")
     p.add_argument(
@@ -280,7 +306,7 @@ def run_benchmark(
                 max_duration=args.max_duration,
                 request_timeout=args.request_timeout,
                 on_done=lambda _: bar.update(1),
-                sampling=request_sampling(args.sampling),
+                sampling=request_sampling(args.sampling, args.structured),
             )
         finally:
             bar.close()
@@ -293,6 +319,7 @@ def run_benchmark(
         f"{args.input_len}±{args.input_len_range:g}, output {args.output_len}"
         f"±{args.output_len_range:g}, rate {fmt(args.request_rate)}, concurrency "
         f"{args.concurrency or 'unbounded'}, {args.sampling} sampling"
+        + ("" if args.structured == "none" else f", {args.structured} constraint")
     )
     text = report(summary, roof)
     payload = {
