@@ -61,7 +61,11 @@ def test_the_mix_takes_every_sampling_path_and_some_invalid_requests():
     seeded = [b for b in valid if "seed" in b]
     edited = [b for b in valid if "logit_bias" in b and "min_tokens" in b]
     tools = [b for b in valid if "tools" in b]
-    for share in (defaults, candidates, penalised, seeded, edited, tools):
+    constrained = [b for b in valid if set(soak._CONSTRAINT_FIELDS) & set(b)]
+    forced = [b for b in valid if "tool_choice" in b]
+    for share in (defaults, candidates, penalised, seeded, edited, tools, constrained):
         assert len(share) > 40
+    assert len(forced) > 10
+    assert any(b.get("guided_regex") == "[0-9" for b in constrained)
     assert all(b["min_tokens"] <= b["max_tokens"] for b in edited)
     assert not any("top_k" in b or "presence_penalty" in b for b in defaults)

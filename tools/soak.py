@@ -74,6 +74,31 @@ WEATHER_TOOL = {
 }
 
 
+# Structured output: each kind of constraint, and one that does not compile (a 400 from the
+# scheduler, after the request was accepted).
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+_CONSTRAINT_FIELDS = ("structured_outputs", "guided_regex", "response_format")
+CONSTRAINTS = (
+    {"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
+    {"guided_regex": "[a-z]{2,12}( [a-z]{2,12}){0,3}"},
+    {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "reply",
+                "schema": {
+                    "type": "object",
+                    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+                    "required": ["ok"],
+                },
+            },
+        }
+    },
+    {"response_format": {"type": "json_object"}},
+    {"guided_regex": "[0-9"},
+)
+
+
 def _request_body(rng: random.Random) -> tuple[str, dict]:
     max_tokens = rng.randint(4, 48)
     if rng.random() < 0.05:  # invalid on purpose: the server must shrug it off
@@ -95,6 +120,8 @@ def _request_body(rng: random.Random) -> tuple[str, dict]:
         common.update(min_tokens=rng.randint(1, max_tokens))
     if rng.random() < 0.2:
         common["seed"] = rng.randrange(2**31)
+    if rng.random() < 0.08:
+        common.update(rng.choice(CONSTRAINTS))
     if stream and rng.random() < 0.5:
         common["stream_options"] = {"include_usage": True}
     if rng.random() < 0.5:
@@ -102,6 +129,8 @@ def _request_body(rng: random.Random) -> tuple[str, dict]:
     messages = [{"role": "user", "content": rng.choice(PROMPTS)}]
     if rng.random() < 0.1:  # rendered by templates that take tools, refused by the others
         common["tools"] = [WEATHER_TOOL]
+        if rng.random() < 0.3 and not any(key in common for key in _CONSTRAINT_FIELDS):
+            common["tool_choice"] = rng.choice(["required", NAMED_WEATHER])
     return "/v1/chat/completions", {"messages": messages, **common}
 
 
