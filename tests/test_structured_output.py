@@ -272,6 +272,23 @@ def test_a_constrained_row_waits_for_its_token_in_flight(qwen3_config) -> None:
     assert second.masked_seq_ids == b""
 
 
+def test_rows_filled_on_threads_equal_rows_filled_one_by_one(qwen3_config) -> None:
+    from scheduler_proc.grammar import BitmaskBuffer, GrammarCompiler, RequestGrammar
+
+    model = qwen3_config.model
+    compiler = GrammarCompiler(qwen3_config.model_path, model.vocab_size, model.eos_token_ids)
+    grammars = [
+        RequestGrammar(compiler.compile(StructuredOutput("regex", "[a-z ,.]+"))),
+        RequestGrammar(compiler.compile(StructuredOutput("json", json.dumps(SCHEMA)))),
+        RequestGrammar(compiler.compile(StructuredOutput("choice", '["yes", "no"]'))),
+    ]
+    grammars[1].accept(90)  # '{'
+    words = compiler.bitmask_words()
+    together = BitmaskBuffer(words, max_threads=4).pack(grammars * 3)
+    one_by_one = b"".join(BitmaskBuffer(words).pack([g]) for g in grammars * 3)
+    assert together == one_by_one and len(together) == 9 * 4 * words
+
+
 def test_a_constraint_that_does_not_compile_is_refused(qwen3_config) -> None:
     scheduler = Scheduler(qwen3_config)
     assert scheduler.add_request(request("bad", StructuredOutput("regex", "[a-"))) is None
