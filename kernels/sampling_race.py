@@ -76,7 +76,8 @@ def log_noise(keys_ptr, positions_ptr, row, call_key, ids):
     row_hash = mix32_u32(key ^ mix32_u32(position))
     salt = mix32_u32(ids.to(tl.uint32) ^ 0x5BD1E995)  # ids: int32 columns or int64 ids
     bits = mix32_u32(row_hash ^ salt)
-    uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 bits, so that the uniform stays below 1.0 in float32 (sampling_noise.py says why).
+    uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / (1 << 23))
     return tl.log(-tl.log(uniform))
 
 

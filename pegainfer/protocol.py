@@ -305,6 +305,21 @@ class StepPlan:
     # bitmask of little-endian int32 words (bit j of word i: token 32 * i + j), row after row.
     masked_seq_ids: bytes = b""  # packed int32
     token_bitmask: bytes = b""
+    # The bitmask comes later, in a StepMasks for this step (to the sampling rank): a masked
+    # row's token of the step before is still in flight, and its grammar needs it.
+    masks_follow: bool = False
+
+
+@message(20)
+@dataclass
+class StepMasks:
+    """Scheduler to the sampling rank: the token bitmask of a planned step whose plan said
+    ``masks_follow``, for its ``masked_seq_ids`` in order (as ``StepPlan.token_bitmask``).
+    The rank runs the step's forward pass meanwhile and samples once it has these."""
+
+    step_id: int
+    masked_seq_ids: bytes  # packed int32
+    token_bitmask: bytes
 
 
 @message(7)

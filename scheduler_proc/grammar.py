@@ -161,17 +161,23 @@ class BitmaskBuffer:
         self._buffer: Any = None
         self._batch: Any = None
 
-    def pack(self, grammars: list[RequestGrammar]) -> bytes:
+    def pack(self, grammars: list[RequestGrammar | None]) -> bytes:
+        """The rows' bitmasks, in order; a None row allows every token."""
         import torch
         import xgrammar
 
         rows = len(grammars)
         if self._buffer is None or self._buffer.shape[0] < rows:
             self._buffer = torch.empty((max(rows, 8), self.words), dtype=torch.int32)
-        if rows == 1:
-            grammars[0].fill(self._buffer, 0)
-        else:
+        filled = [(row, g.matcher) for row, g in enumerate(grammars) if g is not None]
+        if len(filled) < rows:
+            self._buffer[:rows] = -1
+        if len(filled) == 1:
+            filled[0][1].fill_next_token_bitmask(self._buffer, filled[0][0])
+        elif filled:
             if self._batch is None:
                 self._batch = xgrammar.BatchGrammarMatcher(max_threads=self.max_threads)
-            self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], self._buffer)
+            matchers = [matcher for _, matcher in filled]
+            indices = [row for row, _ in filled]
+            self._batch.batch_fill_next_token_bitmask(matchers, self._buffer, indices)
         return self._buffer[:rows].numpy().astype("<i4", copy=False).tobytes()

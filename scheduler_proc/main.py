@@ -108,6 +108,9 @@ class SchedulerLoop:
             self.step_clock.done(msg.step_id)
             owners = self.extras.owners(msg, self.scheduler.request_of_seq)
             outputs = self.scheduler.apply_step_result(msg)
+            # First the masks a queued step's draw waits for: the GPU may be waiting too.
+            for masks in self.scheduler.take_step_masks():
+                ipc.send(self.workers[0], masks)
             outputs = self.extras.decorate(outputs, msg, owners)
         elif isinstance(msg, TokenizedRequest):
             rejection = self.scheduler.add_request(msg)
@@ -140,8 +143,8 @@ class SchedulerLoop:
             self._may_plan
             and self.scheduler.has_work()
             and in_flight < self.max_steps_in_flight
-            # A grammar's next mask needs the token in flight (scheduler_proc/structured.py).
-            and not (in_flight and self.scheduler.runs_constrained())
+            # A plan may not overtake the masks of one before it (scheduler_proc/structured.py).
+            and not self.scheduler.constrained.deferred
         )
 
     def _plan(self) -> None:

@@ -27,9 +27,9 @@ with those shared blocks. The full blocks a plan computes are indexed after it i
 (``flush_prefix_cache``, a part of ``run_deferred``, done once the plan is sent), so only
 later steps, which the workers run after it, can read them.
 
-Structured output (structured.py): a constrained request waits for its grammar to compile,
-is not planned while its previous token is in flight, and each plan carries the masks of
-its constrained rows that sample.
+Structured output (structured.py): a constrained request waits for its grammar to compile;
+each plan carries the masks of its constrained rows that sample, or says that they follow
+(``take_step_masks``) once the tokens they depend on have come back.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from pegainfer.config import EngineConfig
 from pegainfer.protocol import (
     RequestRejected,
     SeqOutput,
+    StepMasks,
     StepPlan,
     TokenizedRequest,
 )
@@ -122,10 +123,13 @@ class Scheduler(ResultIntake, RequestEndings):
         """Constrained requests whose grammar is still compiling."""
         return len(self.constrained.compiling)
 
-    def runs_constrained(self) -> bool:
-        """Whether a running request samples under a grammar: the next step may then be
-        planned only once every step in flight has answered."""
-        return self.constrained.num_live > 0 and any(r.grammar is not None for r in self._running)
+    def take_step_masks(self) -> list[StepMasks]:
+        """The StepMasks of plans sent with ``masks_follow`` that can now be made (the
+        tokens their grammars waited for have come); each goes to the sampling rank before
+        any later plan."""
+        return (
+            self.constrained.ready_masks(self._seq_to_request) if self.constrained.deferred else []
+        )
 
     @property
     def num_running(self) -> int:
@@ -280,9 +284,7 @@ class Scheduler(ResultIntake, RequestEndings):
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         plan = batch.build(step_id, finished)
         if self.constrained.num_live:
-            plan.masked_seq_ids, plan.token_bitmask = self.constrained.masks(
-                batch.requests, batch.samplers
-            )
+            self.constrained.mark(plan, batch.requests, batch.samplers)
         return plan
 
     def _plan_running(
@@ -318,10 +320,10 @@ class Scheduler(ResultIntake, RequestEndings):
             if pending > 0 and (
                 num_output + pending >= request.sampling.max_tokens
                 or known >= max_model_len
-                or request.grammar is not None
+                or (pending > 1 and request.grammar is not None)
             ):
                 # Its last token is in flight, and another step would sample past it; or
-                # its grammar's next mask waits for the token in flight.
+                # its grammar has two tokens to take before it can mask a third.
                 continue
             num_new = min(known - computed, budget)
             if num_new <= 0:

@@ -3,18 +3,22 @@ compiling, and the bitmasks of the running ones.
 
 A request with a constraint waits in ``compiling`` (status COMPILING) until its grammar is
 ready, then joins the waiting queue like any other; one whose constraint does not compile is
-refused with a 400. While a constrained request runs, the scheduler plans a step only once
-the step before has answered: a grammar's next mask depends on the token just sampled,
-which the scheduler must have seen. Unconstrained batches keep two steps in flight.
+refused with a 400. A grammar's next mask depends on the token just sampled, which the
+scheduler sees only when its step answers; with two steps in flight, the next step is
+planned before that. Such a plan goes out at once with ``masks_follow``: the workers run
+its forward pass while the scheduler waits for the token, and its StepMasks follows as soon
+as the token has come back (``ready_masks``), before any later plan. A row is never planned
+while two of its tokens are in flight.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from concurrent.futures import Future
 
 from pegainfer.config import EngineConfig
-from pegainfer.protocol import RequestRejected, pack_ids
+from pegainfer.protocol import RequestRejected, StepMasks, StepPlan, pack_ids
 from scheduler_proc.admission import reject
 from scheduler_proc.grammar import BitmaskBuffer, GrammarCompiler, GrammarError, RequestGrammar
 from scheduler_proc.request import Request, RequestStatus
@@ -32,6 +36,8 @@ class ConstrainedRequests:
         # Constrained requests not finished (compiling, waiting or running): while none,
         # planning skips every grammar check.
         self.num_live = 0
+        # Plans sent with ``masks_follow``, oldest first, with their rows (seq id, request).
+        self.deferred: deque[tuple[int, list[tuple[int, Request]]]] = deque()
 
     def _get_compiler(self) -> GrammarCompiler:
         if self._compiler is None:
@@ -107,24 +113,47 @@ class ConstrainedRequests:
                 "request %s: token %d is outside its grammar", request.request_id, token_id
             )
 
-    def masks(self, requests: list[Request], samplers: list[int]) -> tuple[bytes, bytes]:
-        """The plan's ``masked_seq_ids`` and ``token_bitmask`` for the constrained rows that
-        sample in it."""
+    def mark(self, plan: StepPlan, requests: list[Request], samplers: list[int]) -> None:
+        """Give the plan its constrained sampling rows: with their bitmask, or, if a row's
+        token of the step before is still in flight (two pending: that one and this plan's),
+        with ``masks_follow``, the bitmask left to ``ready_masks``."""
         sampling = set(samplers)
+        rows = [r for r in requests if r.grammar is not None and r.seq_id in sampling]
+        if not rows:
+            return
+        assert self._bitmask is not None
+        if any(r.num_pending_tokens > 1 for r in rows):
+            plan.masked_seq_ids = pack_ids([r.seq_id for r in rows])
+            plan.masks_follow = True
+            self.deferred.append((plan.step_id, [(r.seq_id, r) for r in rows]))
+            return
         # A grammar that has ended (its stop token drawn, the request ignoring EOS) no
         # longer constrains the tokens after it.
-        rows = [
-            r
-            for r in requests
-            if r.grammar is not None
-            and r.seq_id in sampling
-            and not r.grammar.matcher.is_terminated()
-        ]
-        if not rows:
-            return b"", b""
-        assert self._bitmask is not None
-        grammars = [r.grammar for r in rows]
-        return pack_ids([r.seq_id for r in rows]), self._bitmask.pack(grammars)  # type: ignore[arg-type]
+        rows = [r for r in rows if not r.grammar.matcher.is_terminated()]
+        if rows:
+            plan.masked_seq_ids = pack_ids([r.seq_id for r in rows])
+            plan.token_bitmask = self._bitmask.pack([r.grammar for r in rows])
+
+    def ready_masks(self, live: dict[int, Request]) -> list[StepMasks]:
+        """The masks of deferred plans whose rows' grammars have taken every token before
+        the plan's, in plan order. A row whose request has left (finished, aborted,
+        preempted: the worker drops its token) or whose grammar has ended allows every
+        token."""
+        ready = []
+        while self.deferred:
+            step_id, rows = self.deferred[0]
+            current = [live.get(seq_id) is request for seq_id, request in rows]
+            if any(c and r.num_pending_tokens > 1 for c, (_, r) in zip(current, rows)):
+                break
+            self.deferred.popleft()
+            grammars = [
+                r.grammar if c and r.grammar is not None and not r.grammar.matcher.is_terminated() else None
+                for c, (_, r) in zip(current, rows)
+            ]  # fmt: skip
+            assert self._bitmask is not None
+            bitmask = self._bitmask.pack(grammars)
+            ready.append(StepMasks(step_id, pack_ids([seq_id for seq_id, _ in rows]), bitmask))
+        return ready
 
     def shutdown(self) -> None:
         if self._compiler is not None:

@@ -91,6 +91,38 @@ def test_draws_follow_the_softmax():
     assert torch.allclose(freq, expected.double(), atol=0.03), f"{freq.tolist()}"
 
 
+def test_the_noise_is_positive_and_finite_at_qwen3s_width():
+    """Every token's Exp(1) noise is above 0: a 0 would make its -log E infinite, so the
+    token would win whatever its score (about one row in a hundred at this width, with a
+    24-bit uniform that rounded its top value to 1.0), and a masked token's -inf a NaN."""
+    from worker_proc.sampling_noise import seed_key, seeded_exponentials, vocab_salt
+
+    vocab = 151936
+    salt = vocab_salt(vocab, torch.device("cpu"))
+    for start in range(0, 600, 100):
+        positions = torch.arange(start, start + 100)
+        keys = torch.full((100,), seed_key(start))
+        noise = seeded_exponentials(keys, positions, salt)
+        assert noise.min() > 0 and torch.isfinite(noise.log()).all()
+
+
+def test_a_row_with_one_allowed_token_draws_it_at_every_position():
+    vocab = 151936
+    values = torch.full((1, vocab), float("-inf"))
+    values[0, 92] = 0.0
+    keys = torch.tensor([-1])
+    for position in range(600):
+        positions = torch.tensor([position])
+        assert race_rows_ref(values, torch.ones(1), keys, positions, position).item() == 92
+    if CUDA:
+        values = values.to(DEVICE).repeat(64, 1)
+        keys = torch.arange(64, device=DEVICE)
+        for position in range(0, 600, 7):
+            positions = torch.full((64,), position, dtype=torch.int64, device=DEVICE)
+            tokens = run(values, torch.ones(64, device=DEVICE), keys, positions, position)
+            assert (tokens == 92).all()
+
+
 def test_reference_noise_is_the_samplers():
     """The reference's noise is sampling_noise's, so the kernel's is too (tested above)."""
     from worker_proc.sampling_noise import seed_key, seeded_exponentials, vocab_salt

@@ -258,18 +258,95 @@ def test_masks_go_only_to_constrained_rows_that_sample(qwen3_config) -> None:
     assert 0 < len(allowed) < 1000  # tokens made of a and b only
 
 
-def test_a_constrained_row_waits_for_its_token_in_flight(qwen3_config) -> None:
+def test_with_two_steps_in_flight_the_masks_follow_the_token_they_wait_for(qwen3_config) -> None:
     scheduler = Scheduler(qwen3_config)
     scheduler.add_request(request("c", StructuredOutput("regex", "[ab]+"), max_tokens=10))
-    scheduler.add_request(request("free", None, max_tokens=10))
     settle(scheduler)
+    scheduler.add_request(request("free", None, max_tokens=10))
     first = scheduler.schedule()
     assert first is not None and len(unpack_ids(first.seq_ids)) == 2
-    assert scheduler.runs_constrained()
-    # A second plan before the first answers: the free row goes on, the constrained waits.
+    assert not first.masks_follow and len(unpack_ids(first.masked_seq_ids)) == 1
+    # The second plan, before the first answers: c's mask needs the token in flight.
     second = scheduler.schedule()
-    assert second is not None and len(unpack_ids(second.seq_ids)) == 1
-    assert second.masked_seq_ids == b""
+    assert second is not None and len(unpack_ids(second.seq_ids)) == 2
+    assert second.masks_follow and second.token_bitmask == b""
+    assert unpack_ids(second.masked_seq_ids) == unpack_ids(first.masked_seq_ids)
+    assert scheduler.take_step_masks() == []
+    # A third may not be planned past a plan whose masks are owed (nor past two of c's).
+    assert scheduler.constrained.deferred
+    c_seq = unpack_ids(first.masked_seq_ids)[0]
+    a_token = 64  # "a"
+    free_seq = next(s for s in unpack_ids(first.seq_ids) if s != c_seq)
+    result = StepResult(first.step_id, pack_ids([c_seq, free_seq]), pack_ids([a_token, 100]))
+    scheduler.on_step_result(result)
+    (masks,) = scheduler.take_step_masks()
+    assert masks.step_id == second.step_id and masks.masked_seq_ids == second.masked_seq_ids
+    allowed = allowed_ids(
+        type("Plan", (), {"masked_seq_ids": masks.masked_seq_ids, "token_bitmask": masks.token_bitmask}),
+        c_seq,
+        qwen3_config.model.vocab_size,
+    )  # fmt: skip
+    assert a_token in allowed and 0 < len(allowed) < 1000
+    assert not scheduler.constrained.deferred and scheduler.take_step_masks() == []
+
+
+def run_two_in_flight(scheduler: Scheduler, vocab_size: int, seed: int = 0, max_steps: int = 800):
+    """As ``run_to_end``, but with up to two plans in flight, as the process runs them: a
+    plan is answered once its masks are known, inline or by a StepMasks."""
+    rng = np.random.default_rng(seed)
+    outputs: dict[str, list[int]] = {}
+    finishes: dict[str, str] = {}
+    in_flight: list = []  # plans, oldest first
+    masks_of: dict[int, tuple[bytes, bytes]] = {}
+    deferred_seen = 0
+    for _ in range(max_steps):
+        settle(scheduler)
+        while len(in_flight) < 2 and not scheduler.constrained.deferred:
+            plan = scheduler.schedule()
+            if plan is None:
+                break
+            in_flight.append(plan)
+            deferred_seen += plan.masks_follow
+            if not plan.masks_follow:
+                masks_of[plan.step_id] = (plan.masked_seq_ids, plan.token_bitmask)
+        if not in_flight:
+            break
+        plan = in_flight.pop(0)
+        masked_seq_ids, bitmask = masks_of.pop(plan.step_id)
+        view = type(
+            "Plan",
+            (),
+            {"step_id": plan.step_id, "masked_seq_ids": masked_seq_ids, "token_bitmask": bitmask},
+        )
+        result = answer(view, list(scheduler._in_flight[plan.step_id]), vocab_size, rng)
+        for output in scheduler.on_step_result(result):
+            outputs.setdefault(output.request_id, []).extend(unpack_ids(output.new_token_ids))
+            if output.finish_reason is not None:
+                finishes[output.request_id] = output.finish_reason
+        for masks in scheduler.take_step_masks():
+            masks_of[masks.step_id] = (masks.masked_seq_ids, masks.token_bitmask)
+    assert not scheduler.has_work() and not in_flight
+    return outputs, finishes, deferred_seen
+
+
+def test_two_steps_in_flight_keep_every_answer_in_its_grammar(qwen3_config, tokenizer) -> None:
+    scheduler = Scheduler(qwen3_config)
+    structured = StructuredOutput("json", json.dumps(SCHEMA))
+    for i in range(4):
+        scheduler.add_request(request(f"j{i}", structured, max_tokens=250))
+        scheduler.add_request(request(f"free{i}", None, max_tokens=20))
+    scheduler.add_request(request("yes", StructuredOutput("choice", '["yes"]'), max_tokens=8, ignore_eos=True))  # fmt: skip
+    outputs, finishes, deferred = run_two_in_flight(scheduler, qwen3_config.model.vocab_size)
+    assert deferred > 10
+    for i in range(4):
+        assert finishes[f"j{i}"] == "stop"
+        document = json.loads(tokenizer.decode(outputs[f"j{i}"][:-1]))
+        assert document["answer"] in ("yes", "no") and 0 <= document["count"] <= 9
+        assert outputs[f"free{i}"] == [100] * 20
+    tokens = outputs["yes"]
+    end = next(i for i, t in enumerate(tokens) if t in qwen3_config.model.eos_token_ids)
+    assert tokenizer.decode(tokens[:end]) == "yes" and len(tokens) == 8
+    assert scheduler.constrained.num_live == 0
 
 
 def test_rows_filled_on_threads_equal_rows_filled_one_by_one(qwen3_config) -> None:

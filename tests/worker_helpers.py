@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -66,12 +67,13 @@ def engine_config(
     block_size: int = 4,
     kv_cache_memory: int = 1 << 20,
     max_model_len: int = 128,
+    device: str = "cpu",
     **overrides,
 ) -> EngineConfig:
     config = EngineConfig(
         model_path=model_path,
         served_model_name="x",
-        device="cpu",
+        device=device,
         dtype=dtype,
         block_size=block_size,
         kv_cache_memory=kv_cache_memory,
@@ -219,13 +221,15 @@ def drive(
     finish: dict[str, str] = {}
     submitted: deque[int] = deque()
     for _ in range(5000):
-        while scheduler.num_steps_in_flight < in_flight:
+        scheduler.collect_grammars()
+        # A plan may not overtake the token masks owed to one before it.
+        while scheduler.num_steps_in_flight < in_flight and not scheduler.constrained.deferred:
             plan = scheduler.schedule()
             if plan is None:
                 break
             runner.submit(plan)
             submitted.append(plan.step_id)
-        if not submitted:
+        if not submitted and not scheduler.num_compiling:
             break
         for result in runner.poll_results(wait=True):
             assert result.step_id == submitted.popleft() and result.error is None
@@ -233,6 +237,10 @@ def drive(
                 outputs[out.request_id].extend(unpack_ids(out.new_token_ids))
                 if out.finish_reason is not None:
                     finish[out.request_id] = out.finish_reason
+            for masks in scheduler.take_step_masks():
+                runner.supply_masks(masks)
+        if not submitted and scheduler.num_compiling:
+            time.sleep(0.005)  # a grammar compiling, nothing else to do
     assert not scheduler.has_work() and not runner.has_pending()
     # Drop the last finished sequences on the worker too.
     finished = pack_ids(scheduler.pending_finished_seq_ids)

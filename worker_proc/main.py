@@ -27,7 +27,7 @@ from pegainfer import ipc
 from pegainfer.gc_control import freeze_imports
 from pegainfer.multinode import local_rank, worker_plan_socket
 from pegainfer.process import at_stop, child_args, init_child, report_ready
-from pegainfer.protocol import StepPlan, StepResult
+from pegainfer.protocol import StepMasks, StepPlan, StepResult
 from pegainfer.startup_timeline import StartupTimeline
 from worker_proc.cuda_context import device_ordinal, start_primary_context
 
@@ -53,7 +53,9 @@ def _report_failure(results: zmq.Socket | None, step_id: int | None, exc: Except
 def serve(runner, plans: zmq.Socket, results: zmq.Socket | None) -> int:
     """Run plans until one fails; returns the exit status (only ever non-zero).
 
-    ``runner`` offers ``submit(plan)``, ``poll_results(wait)`` and ``has_pending()``."""
+    ``runner`` offers ``submit(plan)``, ``supply_masks(masks)``, ``poll_results(wait)`` and
+    ``has_pending()``. A plan with ``masks_follow`` is drawn from once its StepMasks comes;
+    the results of the steps before it go out meanwhile, since its masks wait for them."""
     waiting_since: float | None = None
     from worker_proc.parallel_state import StepOrderCheck
 
@@ -77,10 +79,13 @@ def serve(runner, plans: zmq.Socket, results: zmq.Socket | None) -> int:
             timeout = 0 if now - waiting_since < SPIN_S else 1
         else:
             timeout = POLL_MS
-        plan = ipc.recv(plans, (StepPlan,), "worker plans", timeout_ms=timeout)
+        plan = ipc.recv(plans, (StepPlan, StepMasks), "worker plans", timeout_ms=timeout)
         if plan is None:
             continue
         try:
+            if isinstance(plan, StepMasks):
+                runner.supply_masks(plan)  # a queued step's draw, waiting for them
+                continue
             step_order.check(plan)
             runner.submit(plan)
         except Exception as exc:  # any failure leaves the KV state suspect: stop

@@ -12,10 +12,12 @@ is the synchronous composition of the two.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -55,14 +57,15 @@ from worker_proc.layers.attention import bind_kv_caches
 from worker_proc.live_seqs import LiveSequences
 from worker_proc.live_seqs import PlanError as PlanError  # re-exported for callers
 from worker_proc.loader import load_model
-from worker_proc.logit_edits import StopMasks, allowed_tokens
+from worker_proc.logit_edits import StopMasks
 from worker_proc.logprobs import LogprobsCollector, wants_prompt_hidden
 from worker_proc.model_config import load_model_config
-from worker_proc.parallel_state import broadcast_from_rank0, init_distributed
+from worker_proc.parallel_state import init_distributed
 from worker_proc.penalties import PenaltyTable
 from worker_proc.prefill_graphs import PrefillGraphs
 from worker_proc.sampler import Sampler, SamplingBatch
 from worker_proc.seq_slots import SlotTable
+from worker_proc.step_draw import StepDraw
 from worker_proc.step_results import ResultQueue
 from worker_proc.upload import Uploader
 from worker_proc.warm_up import warm_up_step_path
@@ -70,7 +73,7 @@ from worker_proc.warm_up import warm_up_step_path
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
+class ModelRunner(StepDraw):
     def __init__(
         self,
         config: EngineConfig,
@@ -165,6 +168,9 @@ class ModelRunner:
         self.logprobs = LogprobsCollector()  # only for sequences that ask
         self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         self._early_results: list[StepResult] = []  # copied back ahead of poll_results
+        # A step whose forward pass is queued and whose draw waits for its grammar masks:
+        # (step id, its masked seq ids, the draw).
+        self._awaiting_masks: tuple[int, bytes, Callable[[bytes, bytes], None]] | None = None
         timeline.mark("kv cache")
 
         self.graphs: DecodeGraphs | None = None
@@ -193,6 +199,11 @@ class ModelRunner:
     @torch.inference_mode()
     def submit(self, plan: StepPlan) -> None:
         """Launch one step; its result comes out of ``poll_results`` in step order."""
+        if self._awaiting_masks is not None:
+            raise PlanError(
+                f"step {plan.step_id} arrived while step {self._awaiting_masks[0]} waits for "
+                "its token masks"
+            )
         self.live.apply_diffs(plan)
         seq_ids = unpack_ids(plan.seq_ids)
         if not seq_ids:
@@ -317,58 +328,31 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, sample_index))
 
         samplers = [seqs[row] for row in layout.sample_rows]
-        batch = self._sampling_batch(samplers)
-        if self.rank == 0:
-            allowed = (
-                allowed_tokens(
-                    unpack_ids(plan.masked_seq_ids),
-                    plan.token_bitmask,
-                    samplers,
-                    logits.shape[1],
-                    self.uploader,
-                )
-                if plan is not None and plan.masked_seq_ids
-                else None
-            )
-            tokens = self.sampler.sample(
-                logits,
-                batch,
-                sample_pos,
-                self.penalties,
-                greedy_tokens=greedy_tokens,
-                stop_mask=self.stop_masks.for_step(),
-                allowed=allowed,
-            )
-        else:  # rank 0's tokens are the tokens; the others receive them (parallel_state)
-            tokens = torch.empty(len(samplers), dtype=torch.int64, device=self.device)
-        tokens = broadcast_from_rank0(tokens)
-        if self.rank == 0:
-            self.logprobs.sampled_step(step_id, logits, tokens, samplers)
-        for seq in samplers:
-            seq.num_tokens += 1
-        # The tokens go to the host and into the slots' last tokens, which the next step's
-        # inputs read, in one launch.
-        self.results.push(step_id, samplers, tokens, last_token, sample_slot)
-
-    def _sampling_batch(self, samplers: list[SequenceState]) -> SamplingBatch:
-        key = tuple(s.serial for s in samplers)
-        if self._sampling_cache is None or self._sampling_cache[0] != key:
-            batch = self.sampler.prepare(
-                [s.sampling for s in samplers],
-                self.model_config.vocab_size,
-                [s.penalty_row for s in samplers],
-            )
-            self._sampling_cache = (key, batch)
-            self.stop_masks.compose(samplers)
-        return self._sampling_cache[1]
+        sample = functools.partial(
+            self._sample, step_id, logits, greedy_tokens, samplers, sample_pos, sample_slot
+        )
+        if plan is not None and plan.masks_follow and self.rank == 0:
+            # The forward pass is queued; the draw waits for the step's grammar masks.
+            self._awaiting_masks = (step_id, plan.masked_seq_ids, sample)
+            return
+        masks = (plan.masked_seq_ids, plan.token_bitmask) if plan is not None else (b"", b"")
+        sample(*masks)
 
     def has_pending(self) -> bool:
-        return bool(self._early_results) or len(self.results) > 0
+        return (
+            bool(self._early_results) or len(self.results) > 0 or self._awaiting_masks is not None
+        )
+
+    @property
+    def awaits_masks(self) -> bool:
+        return self._awaiting_masks is not None
 
     @property
     def oldest_pending_step_id(self) -> int | None:
         if self._early_results:
             return self._early_results[0].step_id
+        if self.results.oldest_step_id is None and self._awaiting_masks is not None:
+            return self._awaiting_masks[0]
         return self.results.oldest_step_id
 
     def poll_results(self, wait: bool = False) -> list[StepResult]:

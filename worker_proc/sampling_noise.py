@@ -79,6 +79,8 @@ def seeded_exponentials(
     vocabulary indices (the same noise those entries get in the full row)."""
     row = mix32(keys ^ mix32(positions & _MASK32)).unsqueeze(1)
     bits = mix32(row ^ (salt.unsqueeze(0) if salt.dim() == 1 else salt))
-    # 24 bits -> a float32 uniform strictly inside (0, 1).
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 bits -> a float32 uniform strictly inside (0, 1). (With 24, the top value rounds to
+    # 1.0: its E is 0 and its -log E infinite, so that token would win the race whatever
+    # its score, or tie a masked -inf score into a NaN.)
+    uniform = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(uniform)
