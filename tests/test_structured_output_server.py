@@ -54,6 +54,21 @@ def complete(server, **body) -> dict:
     return out["choices"][0]
 
 
+def complete_together(server, bodies: dict[str, dict]) -> dict[str, dict]:
+    """Each body's completion, all sent at once (one thread each)."""
+    results: dict[str, dict] = {}
+
+    def run(name: str) -> None:
+        results[name] = complete(server, **bodies[name])
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
 def hf_constrained_greedy(model_dir: str, prompt_ids: list[int], structured, count: int):
     """HF's greedy tokens with every step's logits masked by the grammar, as the server
     compiles it."""
@@ -161,22 +176,12 @@ def test_chat_json_object_streams_what_it_answers(server):
 
 def test_unconstrained_requests_beside_constrained_ones_are_unchanged(server):
     alone = [complete(server, temperature=0, max_tokens=24, prompt=f"Story {i}:") for i in range(3)]
-    results: dict[str, dict] = {}
-
-    def run(name: str, **body) -> None:
-        results[name] = complete(server, **body)
-
-    threads = [
-        threading.Thread(target=run, args=(f"free{i}",), kwargs=dict(temperature=0, max_tokens=24, prompt=f"Story {i}:"))
-        for i in range(3)
-    ] + [
-        threading.Thread(target=run, args=(f"json{i}",), kwargs=dict(temperature=1.0, seed=i, response_format=JSON_SCHEMA_FORMAT))
-        for i in range(3)
-    ]  # fmt: skip
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    bodies = {
+        f"free{i}": dict(temperature=0, max_tokens=24, prompt=f"Story {i}:") for i in range(3)
+    }
+    for i in range(3):
+        bodies[f"json{i}"] = dict(temperature=1.0, seed=i, response_format=JSON_SCHEMA_FORMAT)
+    results = complete_together(server, bodies)
     for i in range(3):
         assert results[f"free{i}"]["text"] == alone[i]["text"]
         assert json.loads(results[f"json{i}"]["text"])["answer"] in ("yes", "no")
@@ -278,25 +283,13 @@ def test_on_cuda_constrained_answers_follow_their_constraints(tiny_qwen3_dir, tm
         "--gpu-memory-utilization", "0.3", log_path=str(tmp_path / "pegainfer.log"),
     ).wait_ready()  # fmt: skip
     try:
-        results: dict[str, dict] = {}
-
-        def run(name: str, **body) -> None:
-            results[name] = complete(srv, **body)
-
-        threads = [
-            threading.Thread(target=run, args=(f"json{i}",), kwargs=dict(temperature=1.0, seed=i, response_format=JSON_SCHEMA_FORMAT))
-            for i in range(4)
-        ] + [
-            threading.Thread(target=run, args=(f"free{i}",), kwargs=dict(temperature=0, max_tokens=32, prompt=f"Story {i}:"))
-            for i in range(4)
-        ] + [
-            threading.Thread(target=run, args=(f"greedy{i}",), kwargs=dict(temperature=0, guided_regex=r"\d{3}-[a-z]{2,4}", prompt=f"Code {i}:"))
-            for i in range(4)
-        ]  # fmt: skip
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        regex = r"\d{3}-[a-z]{2,4}"
+        bodies: dict[str, dict] = {}
+        for i in range(4):
+            bodies[f"json{i}"] = dict(temperature=1.0, seed=i, response_format=JSON_SCHEMA_FORMAT)
+            bodies[f"free{i}"] = dict(temperature=0, max_tokens=32, prompt=f"Story {i}:")
+            bodies[f"greedy{i}"] = dict(temperature=0, guided_regex=regex, prompt=f"Code {i}:")
+        results = complete_together(srv, bodies)
         for i in range(4):
             document = json.loads(results[f"json{i}"]["text"])
             assert document["answer"] in ("yes", "no") and 0 <= document["count"] <= 99
