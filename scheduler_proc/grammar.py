@@ -34,6 +34,7 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # A run of whitespace inside JSON is cut at this many characters: allowed anywhere, any
 # whitespace would let a model stall in it for the rest of its tokens.
 MAX_JSON_WHITESPACE = 16
+GRAMMAR_THREADS_ENV = "PEGAINFER_GRAMMAR_THREADS"
 # xgrammar's errors begin with the time and its source line: "[03:36:14] /path/file.cc:94: ".
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -174,9 +175,13 @@ class BitmaskBuffer:
     ``max_threads`` threads (xgrammar's, outside the GIL): a row costs from tens of
     microseconds to a millisecond, by grammar and state."""
 
-    def __init__(self, words: int, max_threads: int = 8) -> None:
+    def __init__(self, words: int, max_threads: int | None = None) -> None:
         self.words = words
-        self.max_threads = max(1, min(max_threads, os.cpu_count() or 1))
+        if max_threads is None:
+            # Half the cores at most: the worker's host threads and the tokenizers need
+            # the rest (on a 2-core machine, one thread).
+            max_threads = int(os.environ.get(GRAMMAR_THREADS_ENV, 0)) or (os.cpu_count() or 2) // 2
+        self.max_threads = max(1, min(max_threads, 8))
         self._buffer: Any = None
         self._batch: Any = None
 
