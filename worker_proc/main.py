@@ -72,7 +72,11 @@ def serve(runner, plans: zmq.Socket, results: zmq.Socket | None) -> int:
         busy = runner.has_pending()
         if ready or not busy:
             waiting_since = None
-        if busy:
+        if busy and runner.waits_only_for_masks():
+            # Nothing queued on the device: only the masks' message can move the step on,
+            # and the socket wakes for it at once; spinning would take a core meanwhile.
+            timeout = POLL_MS
+        elif busy:
             # A plan may arrive while the device works: launch it right away.
             now = time.monotonic()
             waiting_since = waiting_since or now

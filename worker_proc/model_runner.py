@@ -347,6 +347,12 @@ class ModelRunner(StepDraw):
     def awaits_masks(self) -> bool:
         return self._awaiting_masks is not None
 
+    def waits_only_for_masks(self) -> bool:
+        """A step waits for its masks, and no result is left to send."""
+        return (
+            self._awaiting_masks is not None and not self._early_results and len(self.results) == 0
+        )
+
     @property
     def oldest_pending_step_id(self) -> int | None:
         if self._early_results:
