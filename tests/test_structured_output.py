@@ -354,15 +354,18 @@ def test_rows_filled_on_threads_equal_rows_filled_one_by_one(qwen3_config) -> No
 
     model = qwen3_config.model
     compiler = GrammarCompiler(qwen3_config.model_path, model.vocab_size, model.eos_token_ids)
-    grammars = [
-        RequestGrammar(compiler.compile(StructuredOutput("regex", "[a-z ,.]+"))),
-        RequestGrammar(compiler.compile(StructuredOutput("json", json.dumps(SCHEMA)))),
-        RequestGrammar(compiler.compile(StructuredOutput("choice", '["yes", "no"]'))),
+    specs = [
+        StructuredOutput("regex", "[a-z ,.]+"),
+        StructuredOutput("json", json.dumps(SCHEMA)),
+        StructuredOutput("choice", '["yes", "no"]'),
     ]
-    grammars[1].accept(90)  # '{'
+    # A matcher each: one matcher filled on two threads at once would race.
+    grammars = [RequestGrammar(compiler.compile(spec)) for spec in specs * 3]
+    for grammar in grammars[1::3]:
+        assert grammar.accept(90)  # '{'
     words = compiler.bitmask_words()
-    together = BitmaskBuffer(words, max_threads=4).pack(grammars * 3)
-    one_by_one = b"".join(BitmaskBuffer(words).pack([g]) for g in grammars * 3)
+    together = BitmaskBuffer(words, max_threads=4).pack(grammars)
+    one_by_one = b"".join(BitmaskBuffer(words).pack([g]) for g in grammars)
     assert together == one_by_one and len(together) == 9 * 4 * words
 
 
