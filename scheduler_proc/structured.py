@@ -112,6 +112,10 @@ class ConstrainedRequests:
             logger.warning(
                 "request %s: token %d is outside its grammar", request.request_id, token_id
             )
+        if grammar.matcher.is_terminated():
+            # Its stop token drawn, by a request that goes on (ignore_eos): the grammar has
+            # ended, and the tokens after it are free, with no mask to wait for.
+            request.grammar = None
 
     def mark(self, plan: StepPlan, requests: list[Request], samplers: list[int]) -> None:
         """Give the plan its constrained sampling rows: with their bitmask, or, if a row's
