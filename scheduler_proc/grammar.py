@@ -108,14 +108,11 @@ class GrammarCompiler:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            import transformers
             import xgrammar
 
             imported = time.monotonic()
-            tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_dir)
-            loaded = time.monotonic()
-            info = xgrammar.TokenizerInfo.from_huggingface(
-                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            info = read_tokenizer_info(
+                xgrammar, self.tokenizer_dir, self.vocab_size, self.stop_token_ids
             )
             compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         finally:
@@ -125,13 +122,12 @@ class GrammarCompiler:
                     gc.freeze()
                 gc.enable()
         logger.info(
-            "structured output ready in %.2f s (xgrammar and transformers imported in %.2f s, "
-            "tokenizer loaded in %.2f s, %d-token vocabulary read in %.2f s)",
+            "structured output ready in %.2f s (xgrammar imported in %.2f s, "
+            "%d-token vocabulary read in %.2f s)",
             time.monotonic() - started,
             imported - started,
-            loaded - imported,
             self.vocab_size,
-            time.monotonic() - loaded,
+            time.monotonic() - imported,
         )
         return compiler
 
@@ -142,6 +138,34 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def read_tokenizer_info(
+    xgrammar: Any, tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int]
+) -> Any:
+    """xgrammar's view of the vocabulary, read from ``tokenizer.json`` with ``tokenizers``
+    (as the tokenizer processes read it): loading the transformers tokenizer for it took
+    seconds more, most of it in transformers' own checks of the folder."""
+    from tokenizers import Tokenizer
+
+    with open(os.path.join(tokenizer_dir, "tokenizer.json"), encoding="utf-8") as file:
+        serialized = file.read()
+    vocab = Tokenizer.from_str(serialized).get_vocab(with_added_tokens=True)
+    # Ids past the tokenizer's vocabulary (the logits may be wider) stay empty: never allowed.
+    encoded_vocab = [""] * vocab_size
+    for token, token_id in vocab.items():
+        if token_id < vocab_size:
+            encoded_vocab[token_id] = token
+    # Byte-level, byte-fallback or raw, and whether a space is prepended, as xgrammar reads
+    # them from the serialized tokenizer when given a transformers one.
+    metadata = xgrammar.TokenizerInfo._detect_metadata_from_hf(serialized)
+    return xgrammar.TokenizerInfo(
+        encoded_vocab,
+        vocab_type=metadata["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids,
+        add_prefix_space=metadata["add_prefix_space"],
+    )
 
 
 class RequestGrammar:
