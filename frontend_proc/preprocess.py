@@ -4,6 +4,7 @@ tokenize, check the prompt against the vocabulary and the context window, and re
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -13,14 +14,17 @@ from frontend_proc.chat_template import ChatTemplate
 from frontend_proc.errors import SERVER_ERROR, APIError, invalid
 from frontend_proc.fields import check_token_ids
 from frontend_proc.limits import resolve_max_tokens
+from frontend_proc.reasoning import THINK_END, THINK_START, reasoning_ends_later
 from frontend_proc.tool_calls import TEMPLATE_MARK
 from pegainfer.protocol import (
     GenerateRequest,
     ProtocolError,
     RequestRejected,
+    SamplingParams,
     TokenizedRequest,
     pack_ids,
     unpack_ids,
+    unpack_ids_array,
 )
 
 logger = logging.getLogger(__name__)
@@ -40,13 +44,22 @@ class Preprocessor:
         self.chat_template = chat_template
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # (<think>'s id, </think>'s id, the ids of the special tokens) for a reasoning model.
+        self._think: tuple[int, int, frozenset[int]] | None = None
+        if self.reasons_in_think_blocks():
+            added = self.tokenizer.get_added_tokens_decoder()
+            self._think = (
+                self.tokenizer.token_to_id(THINK_START),
+                self.tokenizer.token_to_id(THINK_END),
+                frozenset(token_id for token_id, token in added.items() if token.special),
+            )
 
     def reasons_in_think_blocks(self) -> bool:
         """Whether the model writes its reasoning between <think> and </think> (Qwen3):
         the tags are tokens of their own and its chat template knows them."""
         added = {token.content for token in self.tokenizer.get_added_tokens_decoder().values()}
         source = self.chat_template.source if self.chat_template is not None else ""
-        return "<think>" in added and "</think>" in added and "</think>" in source
+        return THINK_START in added and THINK_END in added and THINK_END in source
 
     def render_chat(
         self,
@@ -106,12 +119,27 @@ class Preprocessor:
         sampling = resolve_max_tokens(
             len(packed) // 4, request.sampling, self.max_model_len, request.messages is not None
         )
+        if sampling.structured is not None and request.messages is not None:
+            sampling = self.constrain_after_reasoning(sampling, packed)
         return TokenizedRequest(
             request_id=request.request_id,
             prompt_token_ids=packed,
             sampling=sampling,
             arrival_time=request.arrival_time,
         )
+
+    def constrain_after_reasoning(self, sampling: SamplingParams, packed: bytes) -> SamplingParams:
+        """A chat answer's constraint holds after the reasoning, if the model reasons first:
+        from the token after its ``</think>``."""
+        if self._think is None:
+            return sampling
+        think_start_id, think_end_id, turn_marks = self._think
+        if not reasoning_ends_later(
+            unpack_ids_array(packed), think_start_id, think_end_id, turn_marks
+        ):
+            return sampling
+        structured = dataclasses.replace(sampling.structured, after_token_id=think_end_id)
+        return dataclasses.replace(sampling, structured=structured)
 
 
 def handle(

@@ -9,6 +9,8 @@ across deltas is recognised and never leaks into either field.
 
 from __future__ import annotations
 
+from collections.abc import Container, Sequence
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -83,3 +85,19 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     if not parser.saw_think:
         return None, content + more_content
     return reasoning + more_reasoning, content + more_content
+
+
+def reasoning_ends_later(
+    prompt_ids: Sequence[int], think_start_id: int, think_end_id: int, turn_marks: Container[int]
+) -> bool:
+    """Whether the model is to reason before it answers a chat prompt: going back from the
+    prompt's end, through the turn being written (to its first special token, in
+    ``turn_marks``), the prompt opens a think block and leaves it open, or has none (Qwen3
+    opens its own). A prompt whose think block is already closed (Qwen3 with
+    ``enable_thinking: false``) wants the answer at once."""
+    for token_id in reversed(prompt_ids):
+        if token_id == think_end_id:
+            return False
+        if token_id == think_start_id or token_id in turn_marks:
+            return True
+    return True

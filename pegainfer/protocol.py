@@ -104,10 +104,15 @@ class StructuredOutput:
     ``kind``: ``json`` (``spec`` is a JSON schema, serialized), ``json_object`` (any JSON
     object; ``spec`` empty), ``regex``, ``choice`` (``spec`` a JSON list of strings) or
     ``grammar`` (EBNF).
+
+    ``after_token_id``: -1 for a constraint on the whole output; otherwise it holds from the
+    token after this one's first appearance in the output, the tokens up to it free (a
+    reasoning model's ``</think>``: the reasoning is free, the answer constrained).
     """
 
     kind: str
     spec: str = ""
+    after_token_id: int = -1
 
 
 @dataclass
@@ -308,6 +313,10 @@ class StepPlan:
     # The bitmask comes later, in a StepMasks for this step (to the sampling rank): a masked
     # row's token of the step before is still in flight, and its grammar needs it.
     masks_follow: bool = False
+    # Per masked row (packed int32, empty when none is): -1, or the token id that its mask
+    # waits for. Such a row's grammar starts after that token, which is still in flight:
+    # the mask holds only if the row's token of the step before is that one.
+    mask_gates: bytes = b""
 
 
 @message(20)

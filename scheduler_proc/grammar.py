@@ -169,19 +169,32 @@ def read_tokenizer_info(
 
 
 class RequestGrammar:
-    """One request's place in its grammar."""
+    """One request's place in its grammar.
 
-    __slots__ = ("matcher", "num_rejected")
+    With ``opens_after`` (a token id, not -1) the grammar sleeps until the output draws
+    that token (a reasoning model's ``</think>``) and constrains the tokens after it."""
 
-    def __init__(self, compiled: Any) -> None:
+    __slots__ = ("matcher", "num_rejected", "opens_after", "_first_mask")
+
+    def __init__(self, compiled: Any, opens_after: int = -1) -> None:
         import xgrammar
 
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.num_rejected = 0
+        self.opens_after = opens_after
+        self._first_mask: bytes | None = None
+
+    @property
+    def asleep(self) -> bool:
+        return self.opens_after >= 0
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar does not allow it (the mask
         makes that impossible unless the grammar has already ended)."""
+        if self.opens_after >= 0:
+            if token_id == self.opens_after:
+                self.opens_after = -1
+            return True
         if self.matcher.is_terminated():
             return False
         accepted = self.matcher.accept_token(token_id)
@@ -192,6 +205,14 @@ class RequestGrammar:
     def fill(self, bitmask: Any, row: int) -> None:
         """Write the tokens allowed next into row ``row`` of ``bitmask`` (int32 [rows, words])."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def first_mask(self, buffer: BitmaskBuffer) -> bytes:
+        """The bitmask of the grammar's first token (packed as ``BitmaskBuffer.pack``), made
+        once: a sleeping grammar sends it with every step that may wake it."""
+        if self._first_mask is None:
+            assert self.asleep, "only a sleeping grammar is still at its start"
+            self._first_mask = buffer.pack([self])
+        return self._first_mask
 
 
 class BitmaskBuffer:

@@ -77,7 +77,8 @@ class ConstrainedRequests:
                 continue
             del self._futures[request.request_id]
             try:
-                request.grammar = RequestGrammar(future.result())
+                opens_after = request.sampling.structured.after_token_id
+                request.grammar = RequestGrammar(future.result(), opens_after)
                 request.status = RequestStatus.WAITING
                 ready.append(request)
                 continue
@@ -120,29 +121,45 @@ class ConstrainedRequests:
     def mark(self, plan: StepPlan, requests: list[Request], samplers: list[int]) -> None:
         """Give the plan its constrained sampling rows: with their bitmask, or, if a row's
         token of the step before is still in flight (two pending: that one and this plan's),
-        with ``masks_follow``, the bitmask left to ``ready_masks``."""
+        with ``masks_follow``, the bitmask left to ``ready_masks``.
+
+        A sleeping grammar (``RequestGrammar.opens_after``) whose row's token before is in
+        flight may wake on that token: the row gets its grammar's first mask, gated on the
+        token, and the worker applies it only if the token is the one that wakes it. Its
+        steps never wait for a mask."""
         sampling = set(samplers)
         rows = [r for r in requests if r.grammar is not None and r.seq_id in sampling]
         if not rows:
             return
         assert self._bitmask is not None
-        if any(r.num_pending_tokens > 1 for r in rows):
+        waking = [r for r in rows if r.grammar.asleep and r.num_pending_tokens > 1]
+        awake = [r for r in rows if not r.grammar.asleep]
+        if any(r.num_pending_tokens > 1 for r in awake):
+            # The waking rows' tokens before will be known by then too: masks that follow
+            # need no gate.
+            rows = awake + waking
             plan.masked_seq_ids = pack_ids([r.seq_id for r in rows])
             plan.masks_follow = True
             self.deferred.append((plan.step_id, [(r.seq_id, r) for r in rows]))
             return
         # A grammar that has ended (its stop token drawn, the request ignoring EOS) no
         # longer constrains the tokens after it.
-        rows = [r for r in rows if not r.grammar.matcher.is_terminated()]
-        if rows:
-            plan.masked_seq_ids = pack_ids([r.seq_id for r in rows])
-            plan.token_bitmask = self._bitmask.pack([r.grammar for r in rows])
+        awake = [r for r in awake if not r.grammar.matcher.is_terminated()]
+        if not awake and not waking:
+            return
+        plan.masked_seq_ids = pack_ids([r.seq_id for r in awake + waking])
+        bitmask = self._bitmask.pack([r.grammar for r in awake]) if awake else b""
+        if waking:
+            bitmask += b"".join(r.grammar.first_mask(self._bitmask) for r in waking)
+            gates = [-1] * len(awake) + [r.grammar.opens_after for r in waking]
+            plan.mask_gates = pack_ids(gates)
+        plan.token_bitmask = bitmask
 
     def ready_masks(self, live: dict[int, Request]) -> list[StepMasks]:
         """The masks of deferred plans whose rows' grammars have taken every token before
         the plan's, in plan order. A row whose request has left (finished, aborted,
-        preempted: the worker drops its token) or whose grammar has ended allows every
-        token."""
+        preempted: the worker drops its token), whose grammar has ended or still sleeps
+        allows every token."""
         ready = []
         while self.deferred:
             step_id, rows = self.deferred[0]
@@ -151,7 +168,7 @@ class ConstrainedRequests:
                 break
             self.deferred.popleft()
             grammars = [
-                r.grammar if c and r.grammar is not None and not r.grammar.matcher.is_terminated() else None
+                r.grammar if c and _constrains(r.grammar) else None
                 for c, (_, r) in zip(current, rows)
             ]  # fmt: skip
             assert self._bitmask is not None
@@ -162,3 +179,8 @@ class ConstrainedRequests:
     def shutdown(self) -> None:
         if self._compiler is not None:
             self._compiler.shutdown()
+
+
+def _constrains(grammar: RequestGrammar | None) -> bool:
+    """Whether the grammar limits the next token: it is awake and has not ended."""
+    return grammar is not None and not grammar.asleep and not grammar.matcher.is_terminated()

@@ -26,6 +26,7 @@ from worker_proc.model_runner import ModelRunner
 pytest.importorskip("xgrammar")
 
 PROMPT = [9707, 11, 1879, 0, 374]
+THINK_END = 151668
 SCHEMA = {
     "type": "object",
     "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "maximum": 99}},
@@ -42,26 +43,37 @@ def requests() -> list[tuple[str, list[int], SamplingParams]]:
         ("json", PROMPT, SamplingParams(temperature=0.0, max_tokens=120, structured=json_schema)),
         ("choice", PROMPT[:3], SamplingParams(temperature=0.0, max_tokens=20, structured=choice)),
         ("sampled", PROMPT, SamplingParams(temperature=1.0, seed=5, max_tokens=120, structured=json_schema)),
+        # Constrained after its </think> (151668), which the bias draws first; its second
+        # token is planned while the first is in flight: a mask gated on </think>.
+        ("reasoned", PROMPT, SamplingParams(
+            temperature=0.0, max_tokens=120, logit_bias_ids=[THINK_END], logit_bias_values=[100.0],
+            structured=StructuredOutput("json", json.dumps(SCHEMA), after_token_id=THINK_END),
+        )),
     ]  # fmt: skip
 
 
-def serve(runner: ModelRunner, in_flight: int) -> tuple[dict, dict, int]:
-    deferred = 0
+def serve(runner: ModelRunner, in_flight: int, only=None) -> tuple[dict, dict, int, int]:
+    deferred = gated = 0
     submit = runner.submit
 
     def counting_submit(plan: StepPlan) -> None:
-        nonlocal deferred
+        nonlocal deferred, gated
         deferred += plan.masks_follow
+        gated += THINK_END in unpack_ids(plan.mask_gates)
         submit(plan)
 
     runner.submit = counting_submit
     try:
         outputs, finish, _ = drive(
-            runner, requests(), in_flight, max_model_len=256, num_kv_blocks=400
+            runner,
+            [r for r in requests() if only is None or r[0] in only],
+            in_flight,
+            max_model_len=256,
+            num_kv_blocks=400,
         )
     finally:
         runner.submit = submit
-    return outputs, finish, deferred
+    return outputs, finish, deferred, gated
 
 
 @pytest.mark.parametrize(
@@ -76,13 +88,18 @@ def test_masks_that_follow_give_the_tokens_of_one_step_in_flight(tiny_qwen3_dir,
     runner = ModelRunner(
         engine_config(tiny_qwen3_dir, dtype=dtype, device=device, max_model_len=256)
     )
-    one, finish_one, deferred_one = serve(runner, 1)
-    two, finish_two, deferred_two = serve(runner, 2)
+    one, finish_one, deferred_one, gated_one = serve(runner, 1)
+    two, finish_two, deferred_two, gated_two = serve(runner, 2)
     assert deferred_one == 0 and deferred_two > 5
     assert two == one and finish_two == finish_one
-    for name in ("json", "sampled"):
+    # Without other constrained rows, whose masks follow, the reasoned row's are gated.
+    reasoned, _, _, gated = serve(runner, 2, only=("free", "reasoned"))
+    assert gated >= 1 and reasoned == {k: one[k] for k in ("free", "reasoned")}
+    assert one["reasoned"][0] == THINK_END
+    for name in ("json", "sampled", "reasoned"):
         assert finish_one[name] == "stop"
-        document = json.loads(tokenizer.decode(one[name][:-1]))
+        answer = one[name][1:-1] if name == "reasoned" else one[name][:-1]
+        document = json.loads(tokenizer.decode(answer))
         assert document["answer"] in ("yes", "no") and document["n"] <= 99
     assert tokenizer.decode(one["choice"][:-1]) in ("red", "green", "dark blue")
     assert len(one["free"]) == 40

@@ -159,10 +159,21 @@ class StopMasks:
 
 @dataclass
 class AllowedTokens:
-    """Rows ``batch_rows`` may draw only the tokens set in their ``bitmask`` rows."""
+    """Rows ``batch_rows`` may draw only the tokens set in their ``bitmask`` rows; a row
+    with a gate (``gate_tokens`` not -1) only if its token of the step before is the gate."""
 
     batch_rows: torch.Tensor  # [r] int64
     bitmask: torch.Tensor  # [r, words] int32: bit j of word i allows token 32 * i + j
+    gate_tokens: torch.Tensor | None = None  # [r] int64
+
+    def open_gates(self, last_tokens: torch.Tensor, sample_slot: torch.Tensor) -> None:
+        """Lift the mask of each gated row whose token before (``last_tokens`` at its slot,
+        ``sample_slot`` per sampling row) is not its gate, on the device: no sync."""
+        if self.gate_tokens is None:
+            return
+        previous = last_tokens.index_select(0, sample_slot.index_select(0, self.batch_rows))
+        shut = (self.gate_tokens >= 0) & (previous != self.gate_tokens)
+        self.bitmask = self.bitmask.masked_fill(shut.unsqueeze(1), -1)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set the other tokens' logits of ``logits [N, vocab]`` (float32) to -inf, in place."""
@@ -180,6 +191,7 @@ def allowed_tokens(
     samplers: Sequence[HasSeqId],
     vocab_size: int,
     uploader: Uploader,
+    mask_gates: Sequence[int] = (),
 ) -> AllowedTokens | None:
     """The step's grammar masks, for the sampling rows ``samplers``, or None."""
     if not masked_seq_ids:
@@ -194,6 +206,10 @@ def allowed_tokens(
         raise ValueError(
             f"a token bitmask of {len(words)} words for {len(rows)} rows of {vocab_size} tokens"
         )
+    if len(mask_gates) not in (0, len(rows)):
+        raise ValueError(f"{len(mask_gates)} mask gates for {len(rows)} masked rows")
     arrays = [np.asarray(rows, dtype=np.int64), words.astype(np.int32).reshape(len(rows), -1)]
-    batch_rows, bitmask = uploader.upload(arrays)
-    return AllowedTokens(batch_rows, bitmask)
+    if len(mask_gates):
+        arrays.append(np.asarray(mask_gates, dtype=np.int64))
+    batch_rows, bitmask, *gates = uploader.upload(arrays)
+    return AllowedTokens(batch_rows, bitmask, gates[0] if gates else None)

@@ -335,8 +335,10 @@ class ModelRunner(StepDraw):
             # The forward pass is queued; the draw waits for the step's grammar masks.
             self._awaiting_masks = (step_id, plan.masked_seq_ids, sample)
             return
-        masks = (plan.masked_seq_ids, plan.token_bitmask) if plan is not None else (b"", b"")
-        sample(*masks)
+        if plan is None:
+            sample(b"", b"")
+        else:
+            sample(plan.masked_seq_ids, plan.token_bitmask, plan.mask_gates)
 
     def has_pending(self) -> bool:
         return (

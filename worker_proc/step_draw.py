@@ -67,6 +67,7 @@ class StepDraw:
         sample_slot: torch.Tensor,
         masked_seq_ids: bytes,
         token_bitmask: bytes,
+        mask_gates: bytes = b"",
     ) -> None:
         """Draw the step's tokens, and queue them for the host and the next step's inputs."""
         batch = self._sampling_batch(samplers)
@@ -78,10 +79,14 @@ class StepDraw:
                     samplers,
                     logits.shape[1],
                     self.uploader,
+                    unpack_ids(mask_gates),
                 )
                 if masked_seq_ids
                 else None
             )
+            if allowed is not None:
+                # Before this step's tokens overwrite the last tokens the gates compare.
+                allowed.open_gates(self.slots.last_token, sample_slot)
             tokens = self.sampler.sample(
                 logits,
                 batch,

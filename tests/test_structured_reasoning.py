@@ -1,0 +1,252 @@
+"""Structured output after reasoning: a chat answer of a model that thinks first (Qwen3) is
+constrained from the token after its ``</think>``, the reasoning left free. Covers the
+tokenizer process's choice, the scheduler's sleeping grammars and gated masks, and the
+worker's gate, without the process tree."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from frontend_proc.chat_template import ChatTemplate
+from frontend_proc.preprocess import Preprocessor
+from frontend_proc.reasoning import reasoning_ends_later
+from pegainfer.protocol import (
+    GenerateRequest,
+    SamplingParams,
+    StepResult,
+    StructuredOutput,
+    pack_ids,
+    unpack_ids,
+)
+from scheduler_proc.scheduler import Scheduler
+from tests.test_structured_output import SCHEMA, allowed_ids, qwen3_config, request, settle
+from worker_proc.logit_edits import allowed_tokens
+from worker_proc.upload import Uploader
+
+__all__ = ["qwen3_config"]  # a fixture, shared
+
+THINK_START, THINK_END = 151667, 151668
+IM_START, IM_END = 151644, 151645
+JSON = StructuredOutput("json", json.dumps(SCHEMA))
+
+
+# -- the tokenizer process: which prompts leave the model to reason first ------------------
+
+
+@pytest.mark.parametrize(
+    ("tail", "expected"),
+    [
+        ([IM_START, 77091, 198], True),  # "<|im_start|>assistant\n": Qwen3 opens its own
+        ([IM_START, 77091, 198, THINK_START, 198], True),  # the prompt opened it
+        ([IM_START, 77091, 198, THINK_START, 271, THINK_END, 271], False),  # closed
+        # A think block of an earlier turn does not close this one's.
+        ([THINK_START, 5, THINK_END, 6, IM_END, IM_START, 77091, 198], True),
+        ([], True),
+    ],
+)
+def test_a_prompt_leaves_reasoning_to_the_model_unless_it_closed_it(tail, expected) -> None:
+    assert (
+        reasoning_ends_later([1, 2] + tail, THINK_START, THINK_END, {IM_START, IM_END}) is expected
+    )
+
+
+@pytest.fixture(scope="module")
+def preprocessor(tiny_qwen3_dir) -> Preprocessor:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{tiny_qwen3_dir}/tokenizer.json")
+    return Preprocessor(tokenizer, ChatTemplate.load(tiny_qwen3_dir), 4096, 151936)
+
+
+def chat(structured, thinking: bool | None = None, messages=None) -> GenerateRequest:
+    return GenerateRequest(
+        request_id="r",
+        prompt=None,
+        prompt_token_ids=None,
+        messages=messages or [{"role": "user", "content": "Is it? Answer in JSON."}],
+        chat_template_kwargs={} if thinking is None else {"enable_thinking": thinking},
+        add_generation_prompt=True,
+        sampling=SamplingParams(max_tokens=100, structured=structured),
+        arrival_time=0.0,
+    )
+
+
+def test_a_thinking_chat_answer_is_constrained_after_its_reasoning(preprocessor) -> None:
+    assert preprocessor.process(chat(JSON)).sampling.structured.after_token_id == THINK_END
+    assert (
+        preprocessor.process(chat(JSON, thinking=True)).sampling.structured.after_token_id
+        == THINK_END
+    )
+    # The template closes the think block in the prompt: the answer comes at once.
+    assert preprocessor.process(chat(JSON, thinking=False)).sampling.structured.after_token_id == -1
+    # The unconstrained keep their sampling as it was.
+    assert preprocessor.process(chat(None)).sampling.structured is None
+    # A completion's prompt is the client's own: constrained from its first token.
+    completion = chat(JSON)
+    completion.messages, completion.prompt = None, "<think>\n"
+    assert preprocessor.process(completion).sampling.structured.after_token_id == -1
+
+
+def test_a_model_that_does_not_reason_is_constrained_from_the_start(preprocessor) -> None:
+    plain = Preprocessor(preprocessor.tokenizer, None, 4096, 151936)
+    request = chat(JSON)
+    request.messages = None
+    request.prompt = "Answer: "
+    assert plain.process(request).sampling.structured.after_token_id == -1
+
+
+# -- the scheduler: a sleeping grammar, and masks gated on the token that wakes it --------
+
+
+def draw(
+    view, samplers: list[int], previous: dict[int, int], scripts, vocab_size, rng
+) -> StepResult:
+    """A worker: a row applies its mask unless it is gated on a token other than its
+    previous one. While a row's script lasts (its reasoning) it may draw any token, and
+    writes the script; after it, the row must be masked and draws among the allowed, as
+    constrained rows without a script do; the others draw token 100."""
+    masked = unpack_ids(view.masked_seq_ids)
+    gates = dict(zip(masked, unpack_ids(view.mask_gates))) if view.mask_gates else {}
+    tokens = []
+    for seq_id in samplers:
+        applies = seq_id in masked and gates.get(seq_id, -1) in (-1, previous.get(seq_id))
+        script = scripts.get(seq_id)
+        if script:
+            # Masks that followed their plan know the row still reasons: all allowed.
+            assert not applies or len(allowed_ids(view, seq_id, vocab_size)) == vocab_size, (
+                "a mask on a row still reasoning"
+            )
+            tokens.append(script.pop(0))
+        elif script is not None or applies:
+            assert applies, "no mask on a row past its </think>"
+            tokens.append(int(rng.choice(allowed_ids(view, seq_id, vocab_size))))
+        else:
+            tokens.append(100)
+        previous[seq_id] = tokens[-1]
+    return StepResult(step_id=view.step_id, seq_ids=pack_ids(samplers), token_ids=pack_ids(tokens))
+
+
+def run_with_reasoning(
+    scheduler: Scheduler, reasoning: dict[str, list[int]], vocab_size: int, seed: int = 0
+):
+    """Every request to its end with two plans in flight, as the process runs them; a
+    request named in ``reasoning`` writes those tokens first (ending with ``</think>``)."""
+    rng = np.random.default_rng(seed)
+    outputs: dict[str, list[int]] = {}
+    finishes: dict[str, str] = {}
+    scripts: dict[int, list[int]] = {}
+    previous: dict[int, int] = {}
+    in_flight, masks_of, counts = [], {}, {"gated": 0, "follow": 0}
+    for _ in range(2000):
+        settle(scheduler)
+        while len(in_flight) < 2 and not scheduler.constrained.deferred:
+            plan = scheduler.schedule()
+            if plan is None:
+                break
+            for seq_id in unpack_ids(plan.seq_ids):
+                request_id = scheduler._seq_to_request[seq_id].request_id
+                if request_id in reasoning and seq_id not in scripts:
+                    scripts[seq_id] = list(reasoning[request_id])
+            in_flight.append(plan)
+            counts["gated"] += bool(plan.mask_gates)
+            counts["follow"] += plan.masks_follow
+            if not plan.masks_follow:
+                masks_of[plan.step_id] = (plan.masked_seq_ids, plan.token_bitmask, plan.mask_gates)
+        if not in_flight:
+            break
+        plan = in_flight.pop(0)
+        masked_seq_ids, bitmask, gates = masks_of.pop(plan.step_id)
+        fields = {"step_id": plan.step_id, "masked_seq_ids": masked_seq_ids, "token_bitmask": bitmask, "mask_gates": gates}  # fmt: skip
+        view = type("Plan", (), fields)
+        samplers = list(scheduler._in_flight[plan.step_id])
+        result = draw(view, samplers, previous, scripts, vocab_size, rng)
+        for output in scheduler.on_step_result(result):
+            outputs.setdefault(output.request_id, []).extend(unpack_ids(output.new_token_ids))
+            if output.finish_reason is not None:
+                finishes[output.request_id] = output.finish_reason
+        for masks in scheduler.take_step_masks():
+            masks_of[masks.step_id] = (masks.masked_seq_ids, masks.token_bitmask, b"")
+    assert not scheduler.has_work() and not in_flight
+    return outputs, finishes, counts
+
+
+def thinking(structured: StructuredOutput) -> StructuredOutput:
+    return StructuredOutput(structured.kind, structured.spec, after_token_id=THINK_END)
+
+
+@pytest.mark.parametrize("num_thoughts", [0, 1, 2, 5, 30])
+def test_the_answer_after_the_reasoning_keeps_to_its_grammar(qwen3_config, num_thoughts) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{qwen3_config.model_path}/tokenizer.json")
+    scheduler = Scheduler(qwen3_config)
+    # Free tokens a grammar would refuse ("}" and "<|im_end|>"-free text), then </think>.
+    thoughts = (
+        [THINK_START] + [16, 92] * (num_thoughts // 2) + [16] * (num_thoughts % 2) + [THINK_END]
+    )
+    scheduler.add_request(request("think", thinking(JSON), max_tokens=300))
+    scheduler.add_request(request("plain", JSON, max_tokens=300))
+    scheduler.add_request(request("free", None, max_tokens=40))
+    outputs, finishes, counts = run_with_reasoning(
+        scheduler, {"think": thoughts}, qwen3_config.model.vocab_size
+    )
+    assert outputs["think"][: len(thoughts)] == thoughts
+    for name in ("think", "plain"):
+        assert finishes[name] == "stop"
+        answer = outputs[name][len(thoughts) if name == "think" else 0 : -1]
+        document = json.loads(tokenizer.decode(answer))
+        assert document["answer"] in ("yes", "no")
+    assert outputs["free"] == [100] * 40
+    # With "plain" answering in the same steps, most masks follow their plans.
+    assert counts["follow"] >= 10
+    assert scheduler.constrained.num_live == 0
+
+
+def test_reasoning_alone_never_waits_for_masks(qwen3_config) -> None:
+    scheduler = Scheduler(qwen3_config)
+    thoughts = [THINK_START] + [16] * 20 + [THINK_END]
+    for i in range(3):
+        scheduler.add_request(request(f"t{i}", thinking(StructuredOutput("choice", '["yes", "no"]')), max_tokens=60))  # fmt: skip
+    outputs, finishes, counts = run_with_reasoning(
+        scheduler, {f"t{i}": thoughts for i in range(3)}, qwen3_config.model.vocab_size
+    )
+    # Each step while they reason carries their gated first masks; only the answers'
+    # steps after the first wait for masks.
+    assert counts["gated"] >= 20
+    for i in range(3):
+        assert finishes[f"t{i}"] == "stop"
+        assert outputs[f"t{i}"][: len(thoughts)] == thoughts
+    assert counts["follow"] <= 3 * 4
+
+
+# -- the worker: the gate, on the device ---------------------------------------------------
+
+
+class Seq:
+    def __init__(self, seq_id: int) -> None:
+        self.seq_id = seq_id
+
+
+def test_a_gated_mask_holds_only_after_its_token() -> None:
+    vocab = 70
+    uploader = Uploader(torch.device("cpu"))
+    samplers = [Seq(7), Seq(8), Seq(9)]
+    words = np.zeros((3, 3), dtype=np.int32)
+    words[:, 0] = 0b1010  # tokens 1 and 3 only
+    # Row of seq 7: gated on token 5; seq 8: gated on token 6; seq 9: ungated.
+    allowed = allowed_tokens(
+        [7, 8, 9], words.astype("<i4").tobytes(), samplers, vocab, uploader, [5, 6, -1]
+    )
+    last_tokens = torch.tensor([0, 5, 5, 5])  # per slot; the rows sit in slots 1, 2, 3
+    allowed.open_gates(last_tokens, torch.tensor([1, 2, 3]))
+    logits = torch.randn(3, vocab)
+    allowed.apply(logits)
+    assert torch.isfinite(logits[1]).all()  # its token before was 5, not its gate 6
+    for row in (0, 2):
+        assert torch.isfinite(logits[row]).nonzero().flatten().tolist() == [1, 3]
+    with pytest.raises(ValueError, match="mask gates"):
+        allowed_tokens([7, 8], words[:2].tobytes(), samplers, vocab, uploader, [5])
