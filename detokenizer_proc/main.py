@@ -123,9 +123,12 @@ class Detokenizer:
         # The tokenizer cannot take negative ids; nothing valid produces them.
         valid_ids = [token_id for token_id in token_ids if token_id >= 0]
         state = self._states.get(request_id)
+        starts_in_reasoning = False
         if state is None:
-            state = RequestText(self.decoder, output.sampling or _DEFAULT_SAMPLING)
+            sampling = output.sampling or _DEFAULT_SAMPLING
+            state = RequestText(self.decoder, sampling)
             self._states[request_id] = state
+            starts_in_reasoning = sampling.starts_in_reasoning
         try:
             text, matched = state.update(valid_ids, output.completion_tokens, finished)
         except Exception:  # a tokenizer failure must cost this request's text, not the process
@@ -152,6 +155,7 @@ class Detokenizer:
             logprobs=self._with_bytes(output.logprobs),
             prompt_logprobs=self._with_bytes(output.prompt_logprobs),
             queue_time=output.queue_time,
+            starts_in_reasoning=starts_in_reasoning,
         )
 
     def _remember_stopped(self, request_id: str) -> None:

@@ -14,7 +14,7 @@ from frontend_proc.chat_template import ChatTemplate
 from frontend_proc.errors import SERVER_ERROR, APIError, invalid
 from frontend_proc.fields import check_token_ids
 from frontend_proc.limits import resolve_max_tokens
-from frontend_proc.reasoning import THINK_END, THINK_START, reasoning_ends_later
+from frontend_proc.reasoning import THINK_END, THINK_START, turn_reasoning
 from frontend_proc.tool_calls import TEMPLATE_MARK
 from pegainfer.protocol import (
     GenerateRequest,
@@ -119,8 +119,8 @@ class Preprocessor:
         sampling = resolve_max_tokens(
             len(packed) // 4, request.sampling, self.max_model_len, request.messages is not None
         )
-        if sampling.structured is not None and request.messages is not None:
-            sampling = self.constrain_after_reasoning(sampling, packed)
+        if request.messages is not None and self._think is not None:
+            sampling = self.with_reasoning(sampling, packed)
         return TokenizedRequest(
             request_id=request.request_id,
             prompt_token_ids=packed,
@@ -128,18 +128,21 @@ class Preprocessor:
             arrival_time=request.arrival_time,
         )
 
-    def constrain_after_reasoning(self, sampling: SamplingParams, packed: bytes) -> SamplingParams:
-        """A chat answer's constraint holds after the reasoning, if the model reasons first:
-        from the token after its ``</think>``."""
-        if self._think is None:
-            return sampling
+    def with_reasoning(self, sampling: SamplingParams, packed: bytes) -> SamplingParams:
+        """A reasoning model's chat sampling: whether the output starts inside a think block
+        the prompt opened, and a constraint that holds after the reasoning (from the token
+        after ``</think>``) unless the prompt closed it."""
+        assert self._think is not None
         think_start_id, think_end_id, turn_marks = self._think
-        if not reasoning_ends_later(
-            unpack_ids_array(packed), think_start_id, think_end_id, turn_marks
-        ):
-            return sampling
-        structured = dataclasses.replace(sampling.structured, after_token_id=think_end_id)
-        return dataclasses.replace(sampling, structured=structured)
+        state = turn_reasoning(unpack_ids_array(packed), think_start_id, think_end_id, turn_marks)
+        changes: dict[str, Any] = {}
+        if state == "open":
+            changes["starts_in_reasoning"] = True
+        if sampling.structured is not None and state != "closed":
+            changes["structured"] = dataclasses.replace(
+                sampling.structured, after_token_id=think_end_id
+            )
+        return dataclasses.replace(sampling, **changes) if changes else sampling
 
 
 def handle(

@@ -2,7 +2,8 @@
 
 Qwen3-style models write their reasoning first, between ``<think>`` and ``</think>``, then the
 answer. Output that does not start with ``<think>`` (Qwen3 with ``enable_thinking: false``,
-whose template closes the think block in the prompt) is all content. The parser works on
+whose template closes the think block in the prompt) is all content, unless its prompt
+opened the block (Qwen3's thinking-only models): it then starts as reasoning. The parser works on
 streamed text: it keeps back a tail that could still be the start of a tag, so a tag split
 across deltas is recognised and never leaks into either field.
 """
@@ -30,10 +31,18 @@ class ReasoningParser:
 
     __slots__ = ("_state", "_held", "_thought")
 
-    def __init__(self) -> None:
+    def __init__(self, starts_in_reasoning: bool = False) -> None:
         self._state = _BEFORE
         self._held = ""
         self._thought = False
+        if starts_in_reasoning:
+            self.start_in_reasoning()
+
+    def start_in_reasoning(self) -> None:
+        """The prompt opened the think block: what comes is reasoning until ``</think>``.
+        Before any text only."""
+        self._state = _REASONING
+        self._thought = True
 
     def feed(self, text: str) -> tuple[str, str]:
         """Add streamed text; return ``(reasoning, content)`` ready to send."""
@@ -76,10 +85,10 @@ class ReasoningParser:
         return "", held
 
 
-def split_reasoning(text: str) -> tuple[str | None, str]:
+def split_reasoning(text: str, starts_in_reasoning: bool = False) -> tuple[str | None, str]:
     """A whole output as ``(reasoning_content, content)``; reasoning is None when the output
     has no think block."""
-    parser = ReasoningParser()
+    parser = ReasoningParser(starts_in_reasoning)
     reasoning, content = parser.feed(text)
     more_reasoning, more_content = parser.flush()
     if not parser.saw_think:
@@ -87,17 +96,19 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     return reasoning + more_reasoning, content + more_content
 
 
-def reasoning_ends_later(
+def turn_reasoning(
     prompt_ids: Sequence[int], think_start_id: int, think_end_id: int, turn_marks: Container[int]
-) -> bool:
-    """Whether the model is to reason before it answers a chat prompt: going back from the
-    prompt's end, through the turn being written (to its first special token, in
-    ``turn_marks``), the prompt opens a think block and leaves it open, or has none (Qwen3
-    opens its own). A prompt whose think block is already closed (Qwen3 with
-    ``enable_thinking: false``) wants the answer at once."""
+) -> str:
+    """Where the chat turn being written stands with its reasoning, going back from the
+    prompt's end to the turn's first special token (in ``turn_marks``): ``"open"`` (the
+    prompt opened a think block, as Qwen3's thinking-only models' templates do),
+    ``"closed"`` (the prompt closed it: Qwen3 with ``enable_thinking: false``) or ``"none"``
+    (the model opens its own, or does not think)."""
     for token_id in reversed(prompt_ids):
         if token_id == think_end_id:
-            return False
-        if token_id == think_start_id or token_id in turn_marks:
-            return True
-    return True
+            return "closed"
+        if token_id == think_start_id:
+            return "open"
+        if token_id in turn_marks:
+            return "none"
+    return "none"

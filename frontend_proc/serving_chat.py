@@ -65,7 +65,11 @@ async def create_chat_completion(
     forced = request.forced_calls
 
     def message(state: ChoiceState) -> dict[str, Any]:
-        reasoning, content = split_reasoning(state.text) if ctx.reasoning else (None, state.text)
+        reasoning, content = (
+            split_reasoning(state.text, state.starts_in_reasoning)
+            if ctx.reasoning
+            else (None, state.text)
+        )
         fields: dict[str, Any] = {"role": "assistant", "content": content}
         fields["reasoning_content"] = reasoning
         if forced is not None:
@@ -141,6 +145,8 @@ async def create_chat_completion(
     def text_fields(index: int, delta: TextDelta) -> dict[str, Any]:
         reasoning, content = "", delta.text
         if parsers is not None:
+            if delta.starts_in_reasoning:
+                parsers[index].start_in_reasoning()
             reasoning, content = parsers[index].feed(delta.text)
             if delta.finish_reason is not None:
                 more_reasoning, more_content = parsers[index].flush()

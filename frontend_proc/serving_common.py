@@ -68,12 +68,16 @@ class ChoiceState:
     prompt_logprobs: PromptLogprobs = field(default_factory=PromptLogprobs)
     # The logprob entries the latest delta brought, for a streamed chunk.
     new_logprobs: list[TokenEntry] = field(default_factory=list)
+    # The prompt opened a think block: the output starts as reasoning.
+    starts_in_reasoning: bool = False
 
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
 
     def update(self, delta: TextDelta) -> None:
+        if delta.starts_in_reasoning:
+            self.starts_in_reasoning = True
         if delta.text:
             self.text_parts.append(delta.text)
         if delta.token_ids:

@@ -140,6 +140,9 @@ class SamplingParams:
     logit_bias_ids: list[int] = field(default_factory=list)
     logit_bias_values: list[float] = field(default_factory=list)
     structured: StructuredOutput | None = None
+    # Set by the tokenizer process: the chat prompt ends inside a think block (a template
+    # that opens it for the model), so the output starts as reasoning.
+    starts_in_reasoning: bool = False
 
 
 @dataclass
@@ -199,6 +202,8 @@ class TextDelta:
     logprobs: TokenLogprobs | None = None  # with token_bytes filled in
     prompt_logprobs: TokenLogprobs | None = None
     queue_time: float | None = None  # as on SeqOutput
+    # On the first delta: the output starts inside a think block its prompt opened.
+    starts_in_reasoning: bool = False
 
 
 @dataclass

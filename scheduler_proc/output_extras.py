@@ -35,6 +35,7 @@ def detokenizer_needs(sampling: SamplingParams) -> bool:
         or not sampling.skip_special_tokens
         or sampling.logprobs is not None
         or sampling.prompt_logprobs is not None
+        or sampling.starts_in_reasoning
     )
 
 

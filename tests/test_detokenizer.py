@@ -21,6 +21,7 @@ from detokenizer_proc.main import Detokenizer
 from pegainfer import ipc
 from pegainfer.protocol import (
     ProcessReady,
+    SamplingParams,
     SeqOutput,
     TextOutputs,
     TokenOutputs,
@@ -162,6 +163,19 @@ def test_detokenizer_tracks_requests_and_drops_finished_ones(tokenizer) -> None:
     )
     assert [d.finish_reason for d in out.outputs] == ["stop", "length"]
     assert detok.num_active == 0
+
+
+def test_only_the_first_delta_says_the_output_starts_in_reasoning(tokenizer) -> None:
+    detok = Detokenizer(tokenizer)
+    ids = tokenizer.encode("Let me see. Paris.").ids
+    first = seq_output("r", ids[:2])
+    first.sampling = SamplingParams(starts_in_reasoning=True)
+    (delta,) = detok.process(TokenOutputs([first])).outputs
+    assert delta.starts_in_reasoning
+    (delta,) = detok.process(TokenOutputs([seq_output("r", ids[2:], "stop")])).outputs
+    assert not delta.starts_in_reasoning
+    (delta,) = detok.process(TokenOutputs([seq_output("plain", ids)])).outputs
+    assert not delta.starts_in_reasoning
 
 
 def test_detokenizer_survives_malformed_outputs(tokenizer) -> None:

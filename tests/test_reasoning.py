@@ -34,6 +34,20 @@ def test_output_without_a_think_block_is_all_content():
     assert split_reasoning("") == (None, "")
 
 
+def test_output_of_a_prompt_that_opened_the_block_starts_as_reasoning():
+    # Qwen3's thinking-only models: the template writes "<think>\n", the model the rest.
+    assert split_reasoning("Let me see.\n</think>\n\nParis.", starts_in_reasoning=True) == (
+        "Let me see.\n",
+        "\n\nParis.",
+    )
+    assert split_reasoning("still going", starts_in_reasoning=True) == ("still going", "")
+    parser = ReasoningParser()
+    parser.start_in_reasoning()  # as the first streamed delta says
+    pieces = [parser.feed(piece) for piece in ["Let me", " see.</th", "ink>Par", "is."]]
+    assert "".join(r for r, _ in pieces) == "Let me see."
+    assert "".join(c for _, c in pieces) == "Paris."
+
+
 def test_unfinished_reasoning_stays_reasoning():
     assert split_reasoning("  <think>still going") == ("still going", "")
 

@@ -42,6 +42,7 @@ def test_only_requests_whose_text_depends_on_settings_carry_them():
     assert detokenizer_needs(SamplingParams(stop=["x"]))
     assert detokenizer_needs(SamplingParams(skip_special_tokens=False))
     assert detokenizer_needs(SamplingParams(logprobs=0))
+    assert detokenizer_needs(SamplingParams(starts_in_reasoning=True))
 
 
 def test_first_output_carries_sampling_and_queue_time_once():

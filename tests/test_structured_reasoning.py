@@ -13,7 +13,7 @@ import torch
 
 from frontend_proc.chat_template import ChatTemplate
 from frontend_proc.preprocess import Preprocessor
-from frontend_proc.reasoning import reasoning_ends_later
+from frontend_proc.reasoning import turn_reasoning
 from pegainfer.protocol import (
     GenerateRequest,
     SamplingParams,
@@ -40,18 +40,16 @@ JSON = StructuredOutput("json", json.dumps(SCHEMA))
 @pytest.mark.parametrize(
     ("tail", "expected"),
     [
-        ([IM_START, 77091, 198], True),  # "<|im_start|>assistant\n": Qwen3 opens its own
-        ([IM_START, 77091, 198, THINK_START, 198], True),  # the prompt opened it
-        ([IM_START, 77091, 198, THINK_START, 271, THINK_END, 271], False),  # closed
+        ([IM_START, 77091, 198], "none"),  # "<|im_start|>assistant\n": Qwen3 opens its own
+        ([IM_START, 77091, 198, THINK_START, 198], "open"),  # the template opened it
+        ([IM_START, 77091, 198, THINK_START, 271, THINK_END, 271], "closed"),
         # A think block of an earlier turn does not close this one's.
-        ([THINK_START, 5, THINK_END, 6, IM_END, IM_START, 77091, 198], True),
-        ([], True),
+        ([THINK_START, 5, THINK_END, 6, IM_END, IM_START, 77091, 198], "none"),
+        ([], "none"),
     ],
 )
-def test_a_prompt_leaves_reasoning_to_the_model_unless_it_closed_it(tail, expected) -> None:
-    assert (
-        reasoning_ends_later([1, 2] + tail, THINK_START, THINK_END, {IM_START, IM_END}) is expected
-    )
+def test_where_the_turn_stands_with_its_reasoning(tail, expected) -> None:
+    assert turn_reasoning([1, 2] + tail, THINK_START, THINK_END, {IM_START, IM_END}) == expected
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +90,29 @@ def test_a_thinking_chat_answer_is_constrained_after_its_reasoning(preprocessor)
 
 
 def test_a_model_that_does_not_reason_is_constrained_from_the_start(preprocessor) -> None:
-    plain = Preprocessor(preprocessor.tokenizer, None, 4096, 151936)
-    request = chat(JSON)
-    request.messages = None
-    request.prompt = "Answer: "
-    assert plain.process(request).sampling.structured.after_token_id == -1
+    # The same tokenizer (it has the think tokens), a template that never writes them.
+    template = ChatTemplate(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    plain = Preprocessor(preprocessor.tokenizer, template, 4096, 151936)
+    assert not plain.reasons_in_think_blocks()
+    sampling = plain.process(chat(JSON)).sampling
+    assert sampling.structured.after_token_id == -1 and not sampling.starts_in_reasoning
+
+
+def test_a_prompt_that_opens_the_think_block_starts_the_output_in_it(preprocessor) -> None:
+    # As the templates of Qwen3's thinking-only models end every prompt: "<think>\n".
+    messages = [
+        {"role": "user", "content": "Is it?"},
+        {"role": "assistant", "content": "<think>\nLet me see"},
+    ]
+    request = chat(JSON, messages=messages)
+    request.add_generation_prompt, request.continue_final_message = False, True
+    sampling = preprocessor.process(request).sampling
+    assert sampling.starts_in_reasoning and sampling.structured.after_token_id == THINK_END
+    assert not preprocessor.process(chat(None)).sampling.starts_in_reasoning
+    assert not preprocessor.process(chat(None, thinking=False)).sampling.starts_in_reasoning
 
 
 # -- the scheduler: a sleeping grammar, and masks gated on the token that wakes it --------
