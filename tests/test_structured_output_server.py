@@ -28,6 +28,10 @@ SCHEMA = {
     "additionalProperties": False,
 }
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}}
+# Qwen3 thinks first unless told not to, and a chat answer is constrained after its
+# reasoning: the random model would not close its think block.
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+THINK_END = 151668
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +161,7 @@ def test_chat_json_object_streams_what_it_answers(server):
         max_tokens=60,
         temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+        extra_body=NO_THINKING,
     )
     body["model"] = client.models.list().data[0].id
     whole = client.chat.completions.create(**body).choices[0]
@@ -172,6 +177,36 @@ def test_chat_json_object_streams_what_it_answers(server):
         **{**body, "response_format": {"type": "json_object"}, "max_tokens": 8}
     ).choices[0]
     assert json_object.message.content.startswith("{")
+
+
+def test_a_thinking_answer_is_constrained_after_its_reasoning(server):
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=120)
+    # The prompt opens the think block (as Qwen3's thinking-only templates do), and the
+    # bias makes </think> the first token: free while reasoning, then the grammar holds.
+    body = dict(
+        model=client.models.list().data[0].id,
+        messages=[
+            {"role": "user", "content": "a JSON object, please"},
+            {"role": "assistant", "content": "<think>\nLet me see"},
+        ],
+        max_tokens=80,
+        temperature=0,
+        logit_bias={str(THINK_END): 100},
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    whole = client.chat.completions.create(**body).choices[0]
+    assert whole.finish_reason == "stop"
+    assert whole.message.reasoning_content == ""
+    assert json.loads(whole.message.content)["answer"] in ("yes", "no")
+    chunks = list(client.chat.completions.create(stream=True, **body))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.message.content
+    # Without the bias the random model never closes its think block: all reasoning, free.
+    del body["logit_bias"]
+    free = client.chat.completions.create(**{**body, "max_tokens": 12}).choices[0]
+    assert free.finish_reason == "length" and free.message.content == ""
+    assert free.message.reasoning_content
 
 
 def test_unconstrained_requests_beside_constrained_ones_are_unchanged(server):
@@ -226,6 +261,7 @@ def chat(server, stream: bool = False, **body):
         max_tokens=120,
         tools=TOOLS,
         temperature=0,
+        extra_body=NO_THINKING,
     )
     return client.chat.completions.create(stream=stream, **{**fields, **body})
 

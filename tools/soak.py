@@ -127,6 +127,10 @@ def _request_body(rng: random.Random) -> tuple[str, dict]:
     if rng.random() < 0.5:
         return "/v1/completions", {"prompt": rng.choice(PROMPTS), **common}
     messages = [{"role": "user", "content": rng.choice(PROMPTS)}]
+    if rng.random() < 0.5:
+        # A reasoning model's chat constraint holds after its </think>; without thinking,
+        # from the first token.
+        common["chat_template_kwargs"] = {"enable_thinking": False}
     if rng.random() < 0.1:  # rendered by templates that take tools, refused by the others
         common["tools"] = [WEATHER_TOOL]
         if rng.random() < 0.3 and not any(key in common for key in _CONSTRAINT_FIELDS):
