@@ -281,6 +281,25 @@ def test_a_named_tool_choice_answers_with_that_call(server):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
+def test_a_named_tool_call_follows_the_reasoning(server):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    thinking = dict(
+        messages=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": "<think>\nThe user wants"},
+        ],
+        logit_bias={str(THINK_END): 100},
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    choice = chat(server, tool_choice=named, **thinking).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.reasoning_content == ""
+    (call,) = choice.message.tool_calls
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    chunks = list(chat(server, stream=True, tool_choice=named, **thinking))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
 def check_calls(calls) -> None:
     for call in calls:
         arguments = json.loads(call.function.arguments)
