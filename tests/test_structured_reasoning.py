@@ -9,7 +9,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from frontend_proc.chat_template import ChatTemplate
 from frontend_proc.preprocess import Preprocessor
@@ -24,8 +23,6 @@ from pegainfer.protocol import (
 )
 from scheduler_proc.scheduler import Scheduler
 from tests.test_structured_output import SCHEMA, allowed_ids, qwen3_config, request, settle
-from worker_proc.logit_edits import allowed_tokens
-from worker_proc.upload import Uploader
 
 __all__ = ["qwen3_config"]  # a fixture, shared
 
@@ -237,32 +234,3 @@ def test_reasoning_alone_never_waits_for_masks(qwen3_config) -> None:
         assert finishes[f"t{i}"] == "stop"
         assert outputs[f"t{i}"][: len(thoughts)] == thoughts
     assert counts["follow"] <= 3 * 4
-
-
-# -- the worker: the gate, on the device ---------------------------------------------------
-
-
-class Seq:
-    def __init__(self, seq_id: int) -> None:
-        self.seq_id = seq_id
-
-
-def test_a_gated_mask_holds_only_after_its_token() -> None:
-    vocab = 70
-    uploader = Uploader(torch.device("cpu"))
-    samplers = [Seq(7), Seq(8), Seq(9)]
-    words = np.zeros((3, 3), dtype=np.int32)
-    words[:, 0] = 0b1010  # tokens 1 and 3 only
-    # Row of seq 7: gated on token 5; seq 8: gated on token 6; seq 9: ungated.
-    allowed = allowed_tokens(
-        [7, 8, 9], words.astype("<i4").tobytes(), samplers, vocab, uploader, [5, 6, -1]
-    )
-    last_tokens = torch.tensor([0, 5, 5, 5])  # per slot; the rows sit in slots 1, 2, 3
-    allowed.open_gates(last_tokens, torch.tensor([1, 2, 3]))
-    logits = torch.randn(3, vocab)
-    allowed.apply(logits)
-    assert torch.isfinite(logits[1]).all()  # its token before was 5, not its gate 6
-    for row in (0, 2):
-        assert torch.isfinite(logits[row]).nonzero().flatten().tolist() == [1, 3]
-    with pytest.raises(ValueError, match="mask gates"):
-        allowed_tokens([7, 8], words[:2].tobytes(), samplers, vocab, uploader, [5])
