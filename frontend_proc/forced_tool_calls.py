@@ -5,8 +5,9 @@ The answer is constrained (structured output) to the calls themselves, so it is 
 - a named function: the output is that function's arguments, a JSON object of its
   ``parameters`` schema; it comes back as the one call, with ``finish_reason`` "stop";
 - "required": the output is a JSON array of at least one ``{"name": ..., "parameters":
-  {...}}``, each naming one of the tools and carrying arguments of its schema; each element
-  is a call, and ``finish_reason`` is "tool_calls".
+  {...}}`` (exactly one with ``parallel_tool_calls`` false), each naming one of the tools
+  and carrying arguments of its schema; each element is a call, and ``finish_reason`` is
+  "tool_calls".
 
 A stream announces the named call at once and streams its arguments as they are written;
 with "required", each call is sent whole as soon as its element of the array closes.
@@ -51,8 +52,11 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or _ANY_OBJECT
 
 
-def forced_calls(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ForcedCalls | None:
-    """The constraint that ``tool_choice`` puts on the answer, or None ("auto", "none")."""
+def forced_calls(
+    tools: list[dict[str, Any]] | None, tool_choice: Any, max_calls: int | None = None
+) -> ForcedCalls | None:
+    """The constraint that ``tool_choice`` puts on the answer, or None ("auto", "none");
+    "required" writes at most ``max_calls`` calls when given."""
     if tool_choice is None or tool_choice in ("auto", "none"):
         return None
     if not tools:
@@ -69,7 +73,9 @@ def forced_calls(tools: list[dict[str, Any]] | None, tool_choice: Any) -> Forced
             }
             for tool in tools
         ]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": elements}}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": elements}}
+        if max_calls is not None:
+            schema["maxItems"] = max_calls
         return ForcedCalls(None, StructuredOutput("json", json.dumps(schema)))
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None

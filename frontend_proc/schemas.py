@@ -91,6 +91,8 @@ class ChatCompletionRequest:
     continue_final_message: bool = False
     # tool_choice "required" or a named function: the answer is constrained to calls.
     forced_calls: ForcedCalls | None = None
+    # parallel_tool_calls false: at most one call (the first the model writes).
+    max_tool_calls: int | None = None
 
 
 def require_object(body: Any) -> dict[str, Any]:
@@ -219,7 +221,8 @@ def parse_chat_request(
     refuse_unsupported_chat_fields(body)
     log_ignored_fields(body, CHAT_FIELDS)
     tools = parse_tools(body)
-    forced = forced_calls(tools, body.get("tool_choice"))
+    max_tool_calls = None if get_bool(body, "parallel_tool_calls", True) else 1
+    forced = forced_calls(tools, body.get("tool_choice"), max_tool_calls)
     max_tokens = get_int(body, "max_tokens", FILL_CONTEXT, lo=1, hi=MAX_INT32)
     # The newer name wins: OpenAI deprecated max_tokens for chat in its favour.
     max_tokens = get_int(body, "max_completion_tokens", max_tokens, lo=1, hi=MAX_INT32)
@@ -252,5 +255,6 @@ def parse_chat_request(
         add_generation_prompt=add_generation_prompt,
         tools=tools,
         forced_calls=forced,
+        max_tool_calls=max_tool_calls,
         continue_final_message=continue_final_message,
     )

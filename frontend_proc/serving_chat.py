@@ -77,7 +77,7 @@ async def create_chat_completion(
             fields["tool_calls"] = calls
             state.finish_reason = forced.finish_reason(state.finish_reason, calls)
         elif with_tools:
-            content, calls = split_tool_calls(content)
+            content, calls = split_tool_calls(content, request.max_tool_calls)
             fields["content"] = content if content or not calls else None
             fields["tool_calls"] = calls
             state.finish_reason = finish_reason(state.finish_reason, calls)
@@ -140,7 +140,7 @@ async def create_chat_completion(
     if forced is not None:
         tool_parsers = [forced.parser() for _ in subs]
     elif with_tools:
-        tool_parsers = [ToolCallParser() for _ in subs]
+        tool_parsers = [ToolCallParser(request.max_tool_calls) for _ in subs]
 
     def text_fields(index: int, delta: TextDelta) -> dict[str, Any]:
         reasoning, content = "", delta.text

@@ -147,12 +147,15 @@ class ToolCallParser:
     comes out as ``delta.tool_calls`` entries (the call with its name, then its arguments
     piece by piece; or whole when the block closes, if its shape is not the usual one)."""
 
-    __slots__ = ("_held", "_open", "calls")
+    __slots__ = ("_held", "_open", "calls", "_max_calls", "_dropping")
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
         self._held = ""
         self._open: _OpenCall | None = None
         self.calls: list[dict[str, Any]] = []  # every complete call so far
+        # parallel_tool_calls false: the blocks after the first call are dropped whole.
+        self._max_calls = max_calls
+        self._dropping = False
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """Add content; return the content ready to send and the tool-call deltas."""
@@ -172,11 +175,11 @@ class ToolCallParser:
                 buffer = buffer[end + len(CALL_END) :]
                 call, last = self._open.close()
                 deltas += last
-                if call is None:
+                if call is None and not self._dropping:
                     content.append(CALL_START + self._open.text + CALL_END)
-                else:
+                elif call is not None and not self._dropping:
                     self.calls.append(call)
-                self._open = None
+                self._open, self._dropping = None, False
                 continue
             start = buffer.find(CALL_START)
             if start < 0:
@@ -187,9 +190,12 @@ class ToolCallParser:
             content.append(buffer[:start])
             buffer = buffer[start + len(CALL_START) :]
             self._open = _OpenCall(len(self.calls))
+            self._dropping = self._max_calls is not None and len(self.calls) >= self._max_calls
         text_out = "".join(content)
         if (self.calls or self._open is not None) and not text_out.strip():
             text_out = ""  # the newlines around and between calls
+        if self._max_calls is not None:
+            deltas = [delta for delta in deltas if delta["index"] < self._max_calls]
         return text_out, deltas
 
     def flush(self) -> tuple[str, list[dict[str, Any]]]:
@@ -199,6 +205,9 @@ class ToolCallParser:
         open_call, self._open = self._open, None
         if open_call is None:
             return held, []
+        if self._dropping:
+            self._dropping = False
+            return "", []
         deltas = open_call.progress(held)
         if open_call.args_start < 0:
             return CALL_START + open_call.text, []
@@ -208,9 +217,9 @@ class ToolCallParser:
         return "", deltas + last
 
 
-def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+def split_tool_calls(text: str, max_calls: int | None = None) -> tuple[str, list[dict[str, Any]]]:
     """A whole content as (content without the calls, the calls); a call's arguments are
-    its parsed JSON written out again."""
+    its parsed JSON written out again. Past ``max_calls`` calls, call blocks are dropped."""
     content: list[str] = []
     calls: list[dict[str, Any]] = []
     rest = text
@@ -221,7 +230,7 @@ def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
         block = rest[start + len(CALL_START) : end]
         call = _call(block.strip())
         content.append(rest[:start] if call is not None else rest[: end + len(CALL_END)])
-        if call is not None:
+        if call is not None and (max_calls is None or len(calls) < max_calls):
             calls.append(call)
         rest = rest[end + len(CALL_END) :]
     content.append(rest)

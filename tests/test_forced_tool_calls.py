@@ -49,6 +49,19 @@ def test_required_constrains_the_answer_to_an_array_of_calls_of_the_tools() -> N
     assert options[0]["properties"]["parameters"] == WEATHER["function"]["parameters"]
 
 
+def test_without_parallel_calls_required_writes_exactly_one() -> None:
+    body = {"messages": USER, "tools": TOOLS, "tool_choice": "required"}
+    assert "maxItems" not in json.loads(parse_chat_request(body, "m").sampling.structured.spec)
+    request = parse_chat_request({**body, "parallel_tool_calls": False}, "m")
+    schema = json.loads(request.sampling.structured.spec)
+    assert schema["minItems"] == schema["maxItems"] == 1 and request.max_tool_calls == 1
+    auto = parse_chat_request({**body, "tool_choice": "auto", "parallel_tool_calls": False}, "m")
+    assert auto.max_tool_calls == 1 and auto.sampling.structured is None
+    with pytest.raises(APIError) as refused:
+        parse_chat_request({**body, "parallel_tool_calls": "no"}, "m")
+    assert refused.value.param == "parallel_tool_calls"
+
+
 @pytest.mark.parametrize("tool_choice", [None, "auto", "none"])
 def test_auto_and_none_constrain_nothing(tool_choice) -> None:
     assert forced_calls(TOOLS, tool_choice) is None

@@ -110,6 +110,24 @@ def test_a_cut_off_call_that_was_announced_keeps_what_was_written():
     assert parser.calls[0]["id"] == call["id"]
 
 
+@pytest.mark.parametrize("size", [1, 3, 7, 64, 1000])
+def test_without_parallel_calls_only_the_first_comes_back(size):
+    content, calls = split_tool_calls(OUTPUT, max_calls=1)
+    assert content == "Let me look."
+    assert names_and_arguments(calls) == [("get_weather", {"city": "Paris"})]
+    parser = ToolCallParser(max_calls=1)
+    streamed, deltas = "", []
+    text = OUTPUT + "\n" + CALL_PARIS[:-8]  # a third, cut off: dropped too
+    for start in range(0, len(text), size):
+        more, new = parser.feed(text[start : start + size])
+        streamed += more
+        deltas += new
+    more, last = parser.flush()
+    assert (streamed + more).strip() == "Let me look."
+    assert names_and_arguments(assemble(deltas + last)) == [("get_weather", {"city": "Paris"})]
+    assert len(parser.calls) == 1
+
+
 def test_the_finish_is_tool_calls_only_after_a_stop():
     assert finish_reason("stop", [{"id": "x"}]) == "tool_calls"
     assert finish_reason("length", [{"id": "x"}]) == "length"
