@@ -209,6 +209,51 @@ def test_the_http_answer_has_tool_calls_whole_and_streamed():
     assert "tool_calls" not in plain["message"]
 
 
+def two_calls_script(request):
+    pieces = [
+        "Let me look.\n",
+        CALL_PARIS[:30],
+        CALL_PARIS[30:] + "\n" + CALL_ROME[:20],
+        CALL_ROME[20:],
+    ]
+    return [delta(request.request_id, text) for text in pieces[:-1]] + [
+        delta(request.request_id, pieces[-1], "stop", completion_tokens=40)
+    ]
+
+
+def test_without_parallel_tool_calls_the_http_answer_has_the_first_call():
+    engine = FakeEngine(two_calls_script)
+    bodies = {}
+
+    async def body(client):
+        for parallel in (True, False):
+            request_body = chat_body(tools=[WEATHER_TOOL], parallel_tool_calls=parallel)
+            response = await client.post("/v1/chat/completions", json=request_body)
+            bodies[parallel] = await response.json()
+            response = await client.post(
+                "/v1/chat/completions", json={**request_body, "stream": True}
+            )
+            bodies[parallel, "stream"] = await response.text()
+
+    run_with_client(engine, body)
+    for parallel, cities in ((True, ["Paris", "Rome"]), (False, ["Paris"])):
+        expected = [("get_weather", {"city": city}) for city in cities]
+        choice = bodies[parallel]["choices"][0]
+        assert (
+            choice["finish_reason"] == "tool_calls"
+            and choice["message"]["content"] == "Let me look."
+        )
+        assert names_and_arguments(choice["message"]["tool_calls"]) == expected
+        lines = bodies[parallel, "stream"].splitlines()
+        deltas = [
+            json.loads(line[6:])["choices"][0]["delta"]
+            for line in lines
+            if line.startswith("data: {")
+        ]
+        streamed = assemble([call for d in deltas for call in d.get("tool_calls", [])])
+        assert names_and_arguments(streamed) == expected
+
+
 @needs_qwen
 def test_a_whole_tool_round_renders_with_qwen3s_template():
     """An agent's second turn: the assistant's call (arguments as the JSON string OpenAI
