@@ -11,6 +11,7 @@ import math
 from typing import Any, TypeVar
 
 from frontend_proc.errors import invalid
+from pegainfer.protocol import SamplingParams
 
 T = TypeVar("T")
 
@@ -161,6 +162,13 @@ def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
         if token_id < 0 or token_id >= hi:
             size = f" (the vocabulary has {vocab_size} ids)" if vocab_size is not None else ""
             raise invalid(f"token id {token_id} is out of vocabulary{size}", param)
+
+
+def check_sampling_token_ids(sampling: SamplingParams, vocab_size: int | None) -> None:
+    """Every token id a request's sampling names must name a token."""
+    check_token_ids(sampling.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids(sampling.logit_bias_ids, vocab_size, "logit_bias")
+    check_token_ids(sampling.allowed_token_ids, vocab_size, "allowed_token_ids")
 
 
 def get_stop(body: dict[str, Any]) -> list[str]:

@@ -11,8 +11,9 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from frontend_proc.chat_template import ChatTemplate
+from frontend_proc.engine_extras import truncate_prompt
 from frontend_proc.errors import SERVER_ERROR, APIError, invalid
-from frontend_proc.fields import check_token_ids
+from frontend_proc.fields import check_sampling_token_ids, check_token_ids
 from frontend_proc.limits import resolve_max_tokens
 from frontend_proc.reasoning import THINK_END, THINK_START, turn_reasoning
 from frontend_proc.tool_calls import TEMPLATE_MARK
@@ -113,9 +114,10 @@ class Preprocessor:
 
     def process(self, request: GenerateRequest) -> TokenizedRequest:
         """Raises APIError for anything the client must fix."""
-        check_token_ids(request.sampling.stop_token_ids, self.vocab_size, "stop_token_ids")
-        check_token_ids(request.sampling.logit_bias_ids, self.vocab_size, "logit_bias")
-        packed = self.prompt_ids(request)
+        check_sampling_token_ids(request.sampling, self.vocab_size)
+        packed = truncate_prompt(
+            self.prompt_ids(request), request.truncate_prompt_tokens, self.max_model_len
+        )
         sampling = resolve_max_tokens(
             len(packed) // 4, request.sampling, self.max_model_len, request.messages is not None
         )

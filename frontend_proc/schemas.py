@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from frontend_proc.engine_extras import parse_engine_extras
 from frontend_proc.errors import invalid, model_not_found
 from frontend_proc.fields import (
     MAX_INT32,
@@ -58,6 +59,7 @@ class CommonOptions:
     stream: bool
     include_usage: bool
     user: str | None
+    truncate_prompt_tokens: int | None = None
 
 
 @dataclass
@@ -72,6 +74,7 @@ class CompletionRequest:
     logprobs: int | None = None
     user: str | None = None
     return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = None
 
 
 @dataclass
@@ -93,6 +96,8 @@ class ChatCompletionRequest:
     forced_calls: ForcedCalls | None = None
     # parallel_tool_calls false: at most one call (the first the model writes).
     max_tool_calls: int | None = None
+    truncate_prompt_tokens: int | None = None
+    include_reasoning: bool = True  # false: no reasoning_content, the reasoning dropped
 
 
 def require_object(body: Any) -> dict[str, Any]:
@@ -141,6 +146,9 @@ def _common(
 ) -> CommonOptions:
     model = _model(body, served_model_name)
     sampling = _sampling(body, max_tokens, defaults)
+    extras = parse_engine_extras(body)
+    sampling.allowed_token_ids = extras.allowed_token_ids
+    sampling.cache_salt = extras.cache_salt
     if max_tokens != FILL_CONTEXT and sampling.min_tokens > max_tokens:
         raise invalid(
             f"'min_tokens' ({sampling.min_tokens}) must not exceed 'max_tokens' ({max_tokens})",
@@ -162,6 +170,7 @@ def _common(
         stream=stream,
         include_usage=include_usage,
         user=get_str(body, "user", None),
+        truncate_prompt_tokens=extras.truncate_prompt_tokens,
     )
 
 
@@ -182,6 +191,8 @@ def parse_completion_request(
     if echo and any(not isinstance(prompt, str) for prompt in prompts):
         # Echoing token ids needs detokenization, which the frontend does not do.
         raise invalid("'echo' is only supported with text prompts", "echo")
+    if echo and common.truncate_prompt_tokens is not None:
+        raise invalid("'echo' cannot be combined with 'truncate_prompt_tokens'", "echo")
     if echo and logprobs is not None:
         common.sampling.prompt_logprobs = logprobs
     return CompletionRequest(
@@ -195,6 +206,7 @@ def parse_completion_request(
         logprobs=logprobs,
         user=common.user,
         return_token_ids=get_bool(body, "return_token_ids", False),
+        truncate_prompt_tokens=common.truncate_prompt_tokens,
     )
 
 
@@ -257,4 +269,6 @@ def parse_chat_request(
         forced_calls=forced,
         max_tool_calls=max_tool_calls,
         continue_final_message=continue_final_message,
+        truncate_prompt_tokens=common.truncate_prompt_tokens,
+        include_reasoning=get_bool(body, "include_reasoning", True),
     )

@@ -45,6 +45,7 @@ def build_sub_requests(request_id: str, request: ChatCompletionRequest) -> list[
             arrival_time=arrival_time,
             tools=request.tools,
             continue_final_message=request.continue_final_message,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
         )
         for k in range(request.n)
     ]
@@ -71,7 +72,7 @@ async def create_chat_completion(
             else (None, state.text)
         )
         fields: dict[str, Any] = {"role": "assistant", "content": content}
-        fields["reasoning_content"] = reasoning
+        fields["reasoning_content"] = reasoning if request.include_reasoning else None
         if forced is not None:
             fields["content"], calls = forced.split(content or "")
             fields["tool_calls"] = calls
@@ -153,7 +154,7 @@ async def create_chat_completion(
                 reasoning += more_reasoning
                 content += more_content
         fields: dict[str, Any] = {}
-        if reasoning:
+        if reasoning and request.include_reasoning:
             fields["reasoning_content"] = reasoning
         if tool_parsers is not None:
             parser = tool_parsers[index]

@@ -8,8 +8,9 @@ from typing import Any
 
 from aiohttp import web
 
+from frontend_proc.engine_extras import truncate_prompt
 from frontend_proc.fanout import FanOut
-from frontend_proc.fields import check_token_ids
+from frontend_proc.fields import check_sampling_token_ids, check_token_ids
 from frontend_proc.limits import resolve_max_tokens
 from frontend_proc.logprobs import TokenEntry, completion_logprobs, entries
 from frontend_proc.schemas import CompletionRequest, parse_completion_request
@@ -42,7 +43,9 @@ def build_sub_requests(
     subs: list[GenerateRequest | TokenizedRequest] = []
     for prompt_index, prompt in enumerate(request.prompts):
         direct = isinstance(prompt, bytes) and ctx.vocab_size is not None
-        sampling = checked_id_prompt(prompt, request, ctx) if direct else request.sampling
+        sampling = request.sampling
+        if direct:
+            prompt, sampling = checked_id_prompt(prompt, request, ctx)
         for k in range(request.n):
             sub_id = sub_request_id(request_id, prompt_index * request.n + k)
             choice_sampling = sampling_for_choice(sampling, k)
@@ -60,6 +63,7 @@ def build_sub_requests(
                     add_generation_prompt=False,
                     sampling=choice_sampling,
                     arrival_time=arrival_time,
+                    truncate_prompt_tokens=request.truncate_prompt_tokens,
                 )
             )
     return subs
@@ -67,18 +71,20 @@ def build_sub_requests(
 
 def checked_id_prompt(
     prompt: bytes, request: CompletionRequest, ctx: ServingContext
-) -> SamplingParams:
-    """What a tokenizer process checks of a token-id prompt (every id names a token, and so
-    does every stop token id; the prompt fits the context window), here; returns the
-    sampling settings with ``max_tokens`` resolved. Raises APIError (400)."""
-    check_token_ids(request.sampling.stop_token_ids, ctx.vocab_size, "stop_token_ids")
-    check_token_ids(request.sampling.logit_bias_ids, ctx.vocab_size, "logit_bias")
+) -> tuple[bytes, SamplingParams]:
+    """What a tokenizer process does to a token-id prompt (every id names a token, and so
+    does every stop token id; truncation; the prompt fits the context window), here;
+    returns the prompt and the sampling settings with ``max_tokens`` resolved. Raises
+    APIError (400)."""
+    check_sampling_token_ids(request.sampling, ctx.vocab_size)
     ids = unpack_ids(prompt)
     # The parse left no negative id, so one pass for the largest will do; the full check
     # then names the offender.
     if max(ids) >= ctx.vocab_size:
         check_token_ids(ids, ctx.vocab_size, "prompt")
-    return resolve_max_tokens(len(prompt) // 4, request.sampling, ctx.max_model_len, False)
+    prompt = truncate_prompt(prompt, request.truncate_prompt_tokens, ctx.max_model_len)
+    sampling = resolve_max_tokens(len(prompt) // 4, request.sampling, ctx.max_model_len, False)
+    return prompt, sampling
 
 
 def _echo_prefix(request: CompletionRequest, index: int) -> str:

@@ -47,7 +47,8 @@ _COMMON_FIELDS = (
         (
             "model max_tokens temperature top_p top_k min_p seed min_tokens ignore_eos "
             "stop_token_ids stop include_stop_str_in_output presence_penalty frequency_penalty "
-            "repetition_penalty skip_special_tokens logit_bias n stream stream_options user"
+            "repetition_penalty skip_special_tokens logit_bias n stream stream_options user "
+            "allowed_token_ids truncate_prompt_tokens cache_salt bad_words priority"
         ).split()
     )
     | STRUCTURED_FIELDS
@@ -56,7 +57,7 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "return_toke
 COMPLETION_FIELDS |= {"suffix", "best_of"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 CHAT_FIELDS |= {"chat_template_kwargs", "add_generation_prompt", "tools", "tool_choice"}
-CHAT_FIELDS |= {"continue_final_message", "parallel_tool_calls"}
+CHAT_FIELDS |= {"continue_final_message", "parallel_tool_calls", "include_reasoning"}
 CHAT_FIELDS |= {"functions", "function_call", "audio", "modalities"}
 # OpenAI fields that change nothing a server like this one returns.
 _NO_EFFECT = frozenset(("store", "metadata", "service_tier"))

@@ -139,7 +139,11 @@ class SamplingParams:
     # logit_bias: added to these tokens' logits before sampling (ids ascending, each once).
     logit_bias_ids: list[int] = field(default_factory=list)
     logit_bias_values: list[float] = field(default_factory=list)
+    # Only these tokens may be drawn (empty: any).
+    allowed_token_ids: list[int] = field(default_factory=list)
     structured: StructuredOutput | None = None
+    # The prefix cache shares blocks only among requests of the same salt (None: unsalted).
+    cache_salt: str | None = None
     # Set by the tokenizer process: the chat prompt ends inside a think block (a template
     # that opens it for the model), so the output starts as reasoning.
     starts_in_reasoning: bool = False
@@ -258,6 +262,8 @@ class GenerateRequest:
     arrival_time: float
     tools: list[dict[str, Any]] | None = None  # for the chat template
     continue_final_message: bool = False  # the prompt ends inside the last message
+    # Keep only the prompt's last this many tokens (None: all).
+    truncate_prompt_tokens: int | None = None
 
 
 @message(3)

@@ -14,6 +14,9 @@ some block holds its content. When the last one is evicted the node dies, and so
 node below it (a lookup would have to walk through the dead one to reach them); their
 unreferenced blocks go straight back to the free queue.
 
+A request with a ``cache_salt`` walks a trie of its own, whose roots are that salt's: it
+shares blocks only with requests of the same salt.
+
 When. A block is indexed once it is full, its tokens are known (not still in flight on the
 workers) and the step that computes its last token has been planned. Indexing happens
 after that step's plan is built, never during it, so a later step, which the workers run
@@ -30,11 +33,12 @@ class PrefixNode:
     """One indexed block content: its tokens, its parent, its children, the blocks holding
     it."""
 
-    __slots__ = ("tokens", "parent", "children", "blocks", "block", "alive")
+    __slots__ = ("tokens", "parent", "children", "blocks", "block", "alive", "salt")
 
-    def __init__(self, tokens: bytes, parent: PrefixNode | None) -> None:
+    def __init__(self, tokens: bytes, parent: PrefixNode | None, salt: str | None = None) -> None:
         self.tokens = tokens  # packed int32, also its key among its siblings
         self.parent = parent
+        self.salt = salt  # of a root: the cache salt whose trie it roots
         self.children: dict[bytes, PrefixNode] = {}
         self.blocks: dict[int, None] = {}  # insertion-ordered set of block ids
         # The oldest of ``blocks``, the one a hit puts in a block table: kept, not looked up,
@@ -48,6 +52,8 @@ class PrefixCache:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self._roots: dict[bytes, PrefixNode] = {}
+        # The roots of each cache salt's trie; a salt leaves when its last root dies.
+        self._salted_roots: dict[str, dict[bytes, PrefixNode]] = {}
         self._num_nodes = 0
         self._block_node: dict[int, PrefixNode] = {}
         block_manager.on_evict = self._on_evict
@@ -69,13 +75,15 @@ class PrefixCache:
         token), so at most ``num_tokens - 1`` tokens, rounded down to full blocks, match.
         """
         max_blocks = (request.num_tokens - 1) // self.block_size
-        if max_blocks <= 0 or not self._roots:
+        salt = request.sampling.cache_salt
+        roots = self._roots if salt is None else self._salted_roots.get(salt)
+        if max_blocks <= 0 or not roots:
             return []
         packed = request.packed_tokens(0, max_blocks * self.block_size)
         step = 4 * self.block_size
         nodes: list[PrefixNode] = []
         add_node = nodes.append
-        level = self._roots
+        level = roots
         for offset in range(0, len(packed), step):
             node = level.get(packed[offset : offset + step])
             if node is None:
@@ -111,10 +119,15 @@ class PrefixCache:
                 return
             offset = (index - done) * step
             tokens = packed[offset : offset + step]
-            level = parent.children if parent is not None else self._roots
+            if parent is not None:
+                level = parent.children
+            else:
+                salt = request.sampling.cache_salt
+                level = self._roots if salt is None else self._salted_roots.setdefault(salt, {})
             node = level.get(tokens)
             if node is None:
-                node = level[tokens] = PrefixNode(tokens, parent)
+                salt = request.sampling.cache_salt if parent is None else None
+                node = level[tokens] = PrefixNode(tokens, parent, salt)
                 self._num_nodes += 1
             block_id = request.block_ids[index]
             if block_id not in node.blocks:
@@ -142,8 +155,15 @@ class PrefixCache:
 
     def _kill(self, node: PrefixNode) -> None:
         """Remove a node whose content no block holds, and every node below it."""
-        level = node.parent.children if node.parent is not None else self._roots
-        del level[node.tokens]
+        if node.parent is not None:
+            del node.parent.children[node.tokens]
+        elif node.salt is None:
+            del self._roots[node.tokens]
+        else:
+            roots = self._salted_roots[node.salt]
+            del roots[node.tokens]
+            if not roots:
+                del self._salted_roots[node.salt]
         stack = [node]
         while stack:
             dead = stack.pop()
@@ -168,6 +188,9 @@ class PrefixCache:
         assert reusable == set(self._block_node), "reusable blocks and the index disagree"
         num_nodes = 0
         stack: list[tuple[PrefixNode | None, dict[bytes, PrefixNode]]] = [(None, self._roots)]
+        stack += [(None, roots) for roots in self._salted_roots.values()]
+        for salt, roots in self._salted_roots.items():
+            assert roots and all(node.salt == salt for node in roots.values()), "a salt's roots"
         while stack:
             parent, level = stack.pop()
             for tokens, node in level.items():

@@ -201,6 +201,33 @@ def test_evicting_a_prefix_drops_every_block_below_it() -> None:
     harness.assert_drained()
 
 
+def test_a_cache_salt_shares_blocks_only_within_the_salt() -> None:
+    harness = Harness(make_config(block_size=4, num_kv_blocks=16), token_fn=constant(10))
+    run(harness, "plain", PREFIX + [1], max_tokens=1)
+    run(harness, "tenant a", PREFIX + [1], max_tokens=1, cache_salt="a")
+    run(harness, "tenant b", PREFIX + [1], max_tokens=1, cache_salt="b")
+    run(harness, "tenant a again", PREFIX + [2], max_tokens=1, cache_salt="a")
+    run(harness, "plain again", PREFIX + [2], max_tokens=1)
+    cached = {name: f.cached_tokens for name, f in harness.finishes.items()}
+    assert cached == {
+        "plain": 0,
+        "tenant a": 0,
+        "tenant b": 0,
+        "tenant a again": 12,
+        "plain again": 12,
+    }
+    cache = harness.scheduler.prefix_cache
+    assert len(cache) == 9 and set(cache._salted_roots) == {"a", "b"}
+    cache.check_invariants()
+    # A salt whose last block is evicted leaves the index.
+    manager = harness.scheduler.block_manager
+    taken = manager.allocate(manager.num_free_blocks)
+    assert len(cache) == 0 and cache._salted_roots == {}
+    cache.check_invariants()
+    manager.free(taken)
+    harness.assert_drained()
+
+
 def test_a_preempted_request_resumes_from_its_own_cached_blocks() -> None:
     config = make_config(block_size=2, num_kv_blocks=10, max_num_batched_tokens=64)
     harness = Harness(config, token_fn=hashed_token)

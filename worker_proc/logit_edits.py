@@ -1,5 +1,5 @@
-"""Edits of some rows' logits before sampling: ``logit_bias``, ``min_tokens``, and the
-grammar of a request with structured output.
+"""Edits of some rows' logits before sampling: ``logit_bias``, ``allowed_token_ids``,
+``min_tokens``, and the grammar of a request with structured output.
 
 A request's ``logit_bias`` adds its values to its tokens' logits at every step. A request
 whose output is still shorter than ``min_tokens`` cannot end it: its stop tokens (the
@@ -12,6 +12,8 @@ An edit is sparse: ``[rows, n]`` token ids and values, padded per row with a rep
 first id and a value that changes nothing (0 added, -inf set again). The bias is fixed for
 a batch's composition; the stop-token mask changes when a row reaches its ``min_tokens``,
 which the host knows at every step from the sequence's length.
+
+A request's ``allowed_token_ids`` keep those tokens' logits and set every other to -inf.
 
 A grammar's edit is dense: the scheduler sends, per constrained row, a bitmask of the tokens
 its grammar allows next (scheduler_proc/grammar.py); every other logit becomes -inf.
@@ -86,6 +88,30 @@ def bias_edits(params: Sequence[SamplingParams], uploader: Uploader) -> TokenEdi
     values = [params[i].logit_bias_values for i in rows]
     arrays = _padded(rows, ids, values, 0.0)
     return TokenEdits(*uploader.upload(arrays, persistent=True), add=True)
+
+
+@dataclass
+class KeepOnly:
+    """Rows ``batch_rows`` may draw only their ``token_ids`` (padded by repeats)."""
+
+    batch_rows: torch.Tensor  # [r] int64
+    token_ids: torch.Tensor  # [r, n] int64
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set the other tokens' logits of ``logits [N, vocab]`` (float32) to -inf, in place."""
+        rows = logits.index_select(0, self.batch_rows)
+        kept = rows.gather(1, self.token_ids)
+        rows.fill_(float("-inf")).scatter_(1, self.token_ids, kept)
+        logits.index_copy_(0, self.batch_rows, rows)
+
+
+def keep_only_edits(params: Sequence[SamplingParams], uploader: Uploader) -> KeepOnly | None:
+    """The ``allowed_token_ids`` of every row that has them, or None."""
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return None
+    arrays = _padded(rows, [params[i].allowed_token_ids for i in rows], None, 0.0)
+    return KeepOnly(*uploader.upload(arrays[:2], persistent=True))
 
 
 def stop_token_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:

@@ -1,6 +1,6 @@
 """Batched sampling of the next token from float32 logits, on the device.
 
-Per row: ``logit_bias`` and the ``min_tokens`` mask first (worker_proc/logit_edits.py),
+Per row: ``logit_bias``, ``allowed_token_ids`` and the ``min_tokens`` mask first (worker_proc/logit_edits.py),
 then repetition, presence and frequency penalties (from token counts kept on the device,
 worker_proc/penalties.py); all apply to greedy rows too. Then temperature below
 ``GREEDY_TEMPERATURE`` means greedy argmax; otherwise the logits
@@ -37,7 +37,13 @@ import kernels
 from kernels.sampling_candidates import race_candidates
 from kernels.sampling_race import race_rows
 from pegainfer.protocol import SamplingParams
-from worker_proc.logit_edits import AllowedTokens, TokenEdits, bias_edits
+from worker_proc.logit_edits import (
+    AllowedTokens,
+    KeepOnly,
+    TokenEdits,
+    bias_edits,
+    keep_only_edits,
+)
 from worker_proc.penalties import PenaltyTable, penalty_arrays
 from worker_proc.sampling_noise import (
     mix32,
@@ -125,6 +131,7 @@ class SamplingBatch:
     penalised_rows: list[int]
     penalised: PenalisedRows | None = None
     bias: TokenEdits | None = None  # the rows' logit_bias
+    keep: KeepOnly | None = None  # the rows' allowed_token_ids
 
     @property
     def num_rows(self) -> int:
@@ -199,8 +206,9 @@ class Sampler:
             ]
             penalised_rows = PenalisedRows(*self.uploader.upload(arrays, persistent=True))
         bias = bias_edits(params, self.uploader)
+        keep = keep_only_edits(params, self.uploader)
         if all(greedy):
-            return SamplingBatch(params, True, None, [], penalised, penalised_rows, bias)
+            return SamplingBatch(params, True, None, [], penalised, penalised_rows, bias, keep)
         # 0: off. Greedy rows never use their filters.
         top_ks = [
             p.top_k if 0 < p.top_k < vocab_size and not g else 0 for p, g in zip(params, greedy)
@@ -227,7 +235,9 @@ class Sampler:
             group_tensors, tensors = tensors[:6], tensors[6:]
             whole = len(rows) == len(params)
             groups.append(_group(path, per_group[path], group_tensors, whole))
-        return SamplingBatch(params, False, greedy_mask, groups, penalised, penalised_rows, bias)
+        return SamplingBatch(
+            params, False, greedy_mask, groups, penalised, penalised_rows, bias, keep
+        )
 
     def _race(
         self, logits: torch.Tensor, group: RowGroup, positions: torch.Tensor, call_key: int
@@ -312,7 +322,7 @@ class Sampler:
         the rows' ``logit_bias`` edit a float32 copy of the logits, before the penalties.
         ``allowed``: the grammar masks of rows with structured output, applied last.
         """
-        edits = [edit for edit in (batch.bias, stop_mask, allowed) if edit is not None]
+        edits = [e for e in (batch.bias, batch.keep, stop_mask, allowed) if e is not None]
         if edits:
             logits = logits.to(torch.float32, copy=True)
             for edit in edits:

@@ -1,0 +1,61 @@
+"""vLLM's request extensions that reach past the sampler: ``allowed_token_ids``,
+``truncate_prompt_tokens`` and ``cache_salt``, and the ones refused because this server
+cannot honour them (``bad_words``; a ``priority`` other than 0, as there is no priority
+scheduling).
+
+``truncate_prompt_tokens`` keeps the last k tokens of the prompt (of the rendered
+conversation, for chat); -1 keeps the last ``max_model_len``. ``cache_salt`` keeps a
+request's prefix-cache blocks to requests of the same salt, so that tenants cannot learn
+each other's prompts from time to first token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from frontend_proc.errors import invalid
+from frontend_proc.fields import MAX_INT32, get_int, get_int_list, get_str
+
+
+@dataclass
+class EngineExtras:
+    allowed_token_ids: list[int]
+    truncate_prompt_tokens: int | None
+    cache_salt: str | None
+
+
+def parse_engine_extras(body: dict[str, Any]) -> EngineExtras:
+    if body.get("bad_words"):
+        raise invalid("'bad_words' is not supported: use 'logit_bias' to ban tokens", "bad_words")
+    if get_int(body, "priority", 0, lo=-MAX_INT32, hi=MAX_INT32) != 0:
+        raise invalid(
+            "'priority' is not supported: requests are scheduled first come, first served",
+            "priority",
+        )
+    allowed = get_int_list(body, "allowed_token_ids")
+    if body.get("allowed_token_ids") is not None and not allowed:
+        raise invalid("'allowed_token_ids' must not be empty", "allowed_token_ids")
+    truncate = get_int(body, "truncate_prompt_tokens", None, lo=-1, hi=MAX_INT32)
+    if truncate == 0:
+        raise invalid(
+            "'truncate_prompt_tokens' must be at least 1, or -1 for the context's length",
+            "truncate_prompt_tokens",
+        )
+    salt = get_str(body, "cache_salt", None)
+    if salt is not None and not salt:
+        raise invalid("'cache_salt' must not be empty", "cache_salt")
+    return EngineExtras(sorted(set(allowed)), truncate, salt)
+
+
+def truncate_prompt(packed: bytes, truncate_prompt_tokens: int | None, max_model_len: int) -> bytes:
+    """The packed prompt ids, cut to their last ``truncate_prompt_tokens``."""
+    if truncate_prompt_tokens is None:
+        return packed
+    keep = max_model_len if truncate_prompt_tokens < 0 else truncate_prompt_tokens
+    if keep > max_model_len:
+        raise invalid(
+            f"'truncate_prompt_tokens' ({keep}) exceeds the context length ({max_model_len})",
+            "truncate_prompt_tokens",
+        )
+    return packed[-4 * keep :] if len(packed) > 4 * keep else packed

@@ -1,0 +1,64 @@
+"""vLLM's request extensions through the real process tree, on the tiny random Qwen3."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server_util import Server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("extras") / "pegainfer.log"
+    srv = Server(
+        "--model-path", tiny_qwen3_dir, "--device", "cpu", "--kv-cache-memory", "64MiB",
+        "--max-model-len", "256", "--block-size", "16",
+        log_path=str(log),
+    ).wait_ready()  # fmt: skip
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+    assert srv.leftovers() == []
+
+
+def complete(server, **body) -> dict:
+    status, out = server.post("/v1/completions", {"max_tokens": 12, "temperature": 1.0, **body})
+    assert status == 200, out
+    return out
+
+
+def test_allowed_token_ids_are_the_only_tokens_drawn(server):
+    allowed = [9707, 11, 1879, 374, 0]
+    for seed in range(3):
+        out = complete(server, prompt="Say:", allowed_token_ids=allowed, seed=seed, return_token_ids=True)  # fmt: skip
+        tokens = out["choices"][0]["token_ids"]
+        assert len(tokens) == 12 and set(tokens) <= set(allowed)
+
+
+def test_a_truncated_prompt_keeps_its_tail(server):
+    ids = list(range(1000, 1040))
+    whole = complete(server, prompt=ids[-8:], temperature=0)
+    cut = complete(server, prompt=ids, truncate_prompt_tokens=8, temperature=0)
+    assert cut["usage"]["prompt_tokens"] == 8
+    assert cut["choices"][0]["text"] == whole["choices"][0]["text"]
+    text = complete(server, prompt="one two three four five six seven", truncate_prompt_tokens=3)
+    assert text["usage"]["prompt_tokens"] == 3
+    status, out = server.post("/v1/completions", {"prompt": ids, "truncate_prompt_tokens": 300})
+    assert status == 400 and out["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_a_cache_salt_keeps_cached_prefixes_to_its_own_requests(server):
+    prompt = list(range(2000, 2070))  # 4 full blocks of 16 and some
+    cached = {}
+    for name, salt in (("a", "x"), ("b", "y"), ("c", "x"), ("d", None)):
+        extra = {} if salt is None else {"cache_salt": salt}
+        out = complete(server, prompt=prompt, max_tokens=1, **extra)
+        cached[name] = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == {"a": 0, "b": 0, "c": 64, "d": 0}
+
+
+def test_unsupported_extensions_are_400s(server):
+    for body, param in (({"bad_words": ["x"]}, "bad_words"), ({"priority": 1}, "priority")):
+        status, out = server.post("/v1/completions", {"prompt": "hi", **body})
+        assert status == 400 and out["error"]["param"] == param
