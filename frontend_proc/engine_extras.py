@@ -1,7 +1,9 @@
 """vLLM's request extensions that reach past the sampler: ``allowed_token_ids``,
-``truncate_prompt_tokens`` and ``cache_salt``, and the ones refused because this server
-cannot honour them (``bad_words``; a ``priority`` other than 0, as there is no priority
-scheduling).
+``bad_words``, ``truncate_prompt_tokens`` and ``cache_salt``, and the one refused because
+this server cannot honour it (a ``priority`` other than 0: there is no priority scheduling).
+
+``bad_words`` are strings the output may never write as the tokenizer writes them, at the
+text's start or after a space (scheduler_proc/bad_words.py applies them).
 
 ``truncate_prompt_tokens`` keeps the last k tokens of the prompt (of the rendered
 conversation, for chat); -1 keeps the last ``max_model_len``. ``cache_salt`` keeps a
@@ -11,11 +13,14 @@ each other's prompts from time to first token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from frontend_proc.errors import invalid
 from frontend_proc.fields import MAX_INT32, get_int, get_int_list, get_str
+
+MAX_BAD_WORDS = 1024
 
 
 @dataclass
@@ -23,11 +28,32 @@ class EngineExtras:
     allowed_token_ids: list[int]
     truncate_prompt_tokens: int | None
     cache_salt: str | None
+    bad_words: list[str]
+
+
+def get_bad_words(body: dict[str, Any]) -> list[str]:
+    words = body.get("bad_words")
+    if words is None:
+        return []
+    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise invalid("'bad_words' must be a list of strings that are not blank", "bad_words")
+    if len(words) > MAX_BAD_WORDS:
+        raise invalid(f"'bad_words' holds more than {MAX_BAD_WORDS} words", "bad_words")
+    return list(dict.fromkeys(words))
+
+
+def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """The token sequences that write each word: as the text's start, and after a space."""
+    sequences: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(encode(text))
+            if ids:
+                sequences[ids] = None
+    return [list(ids) for ids in sequences]
 
 
 def parse_engine_extras(body: dict[str, Any]) -> EngineExtras:
-    if body.get("bad_words"):
-        raise invalid("'bad_words' is not supported: use 'logit_bias' to ban tokens", "bad_words")
     if get_int(body, "priority", 0, lo=-MAX_INT32, hi=MAX_INT32) != 0:
         raise invalid(
             "'priority' is not supported: requests are scheduled first come, first served",
@@ -45,7 +71,7 @@ def parse_engine_extras(body: dict[str, Any]) -> EngineExtras:
     salt = get_str(body, "cache_salt", None)
     if salt is not None and not salt:
         raise invalid("'cache_salt' must not be empty", "cache_salt")
-    return EngineExtras(sorted(set(allowed)), truncate, salt)
+    return EngineExtras(sorted(set(allowed)), truncate, salt, get_bad_words(body))
 
 
 def truncate_prompt(packed: bytes, truncate_prompt_tokens: int | None, max_model_len: int) -> bytes:

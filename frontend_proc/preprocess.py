@@ -11,7 +11,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from frontend_proc.chat_template import ChatTemplate
-from frontend_proc.engine_extras import truncate_prompt
+from frontend_proc.engine_extras import bad_words_token_ids, truncate_prompt
 from frontend_proc.errors import SERVER_ERROR, APIError, invalid
 from frontend_proc.fields import check_sampling_token_ids, check_token_ids
 from frontend_proc.limits import resolve_max_tokens
@@ -121,6 +121,9 @@ class Preprocessor:
         sampling = resolve_max_tokens(
             len(packed) // 4, request.sampling, self.max_model_len, request.messages is not None
         )
+        if sampling.bad_words:
+            sequences = self.bad_words_token_ids(sampling.bad_words)
+            sampling = dataclasses.replace(sampling, bad_words_token_ids=sequences)
         if request.messages is not None and self._think is not None:
             sampling = self.with_reasoning(sampling, packed)
         return TokenizedRequest(
@@ -129,6 +132,15 @@ class Preprocessor:
             sampling=sampling,
             arrival_time=request.arrival_time,
         )
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        def encode(text: str) -> list[int]:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+        sequences = bad_words_token_ids(words, encode)
+        for ids in sequences:
+            check_token_ids(ids, self.vocab_size, "bad_words")
+        return sequences
 
     def with_reasoning(self, sampling: SamplingParams, packed: bytes) -> SamplingParams:
         """A reasoning model's chat sampling: whether the output starts inside a think block

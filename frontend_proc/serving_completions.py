@@ -42,7 +42,12 @@ def build_sub_requests(
     arrival_time = time.time()
     subs: list[GenerateRequest | TokenizedRequest] = []
     for prompt_index, prompt in enumerate(request.prompts):
-        direct = isinstance(prompt, bytes) and ctx.vocab_size is not None
+        # Bad words need a tokenizer.
+        direct = (
+            isinstance(prompt, bytes)
+            and ctx.vocab_size is not None
+            and not request.sampling.bad_words
+        )
         sampling = request.sampling
         if direct:
             prompt, sampling = checked_id_prompt(prompt, request, ctx)

@@ -141,6 +141,10 @@ class SamplingParams:
     logit_bias_values: list[float] = field(default_factory=list)
     # Only these tokens may be drawn (empty: any).
     allowed_token_ids: list[int] = field(default_factory=list)
+    # vLLM's bad_words, as the frontend got them, and as the token sequences that write them
+    # (the tokenizer process fills these): never written.
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     structured: StructuredOutput | None = None
     # The prefix cache shares blocks only among requests of the same salt (None: unsalted).
     cache_salt: str | None = None
@@ -328,6 +332,11 @@ class StepPlan:
     # waits for. Such a row's grammar starts after that token, which is still in flight:
     # the mask holds only if the row's token of the step before is that one.
     mask_gates: bytes = b""
+    # Tokens banned this step (bad_words): per entry a seq id, the token, and -1 or the
+    # token the ban waits for (it holds only if the row's token of the step before is it).
+    ban_seq_ids: bytes = b""  # packed int32
+    ban_token_ids: bytes = b""
+    ban_gates: bytes = b""
 
 
 @message(20)

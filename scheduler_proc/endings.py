@@ -14,6 +14,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
+from scheduler_proc.bad_words import BadWordBans
 from scheduler_proc.block_manager import BlockManager
 from scheduler_proc.request import Request, RequestStatus
 from scheduler_proc.structured import ConstrainedRequests
@@ -32,6 +33,7 @@ class RequestEndings:
     _clock: Callable[[], float]
     block_manager: BlockManager
     constrained: ConstrainedRequests
+    bad_words: BadWordBans
     num_preemptions: int
 
     def __init__(self) -> None:
@@ -104,6 +106,7 @@ class RequestEndings:
         ``run_deferred``, once its last output is on its way."""
         if request.sampling.structured is not None:
             self.constrained.drop(request)
+        self.bad_words.drop(request.request_id)
         if request.status is RequestStatus.RUNNING:
             self._detach(request)
         elif request.status is RequestStatus.WAITING:

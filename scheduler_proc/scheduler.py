@@ -49,6 +49,7 @@ from pegainfer.protocol import (
     TokenizedRequest,
 )
 from scheduler_proc.admission import AdmissionPlan, EarlyAborts, check_admission, plan_admission
+from scheduler_proc.bad_words import BadWordBans
 from scheduler_proc.block_manager import BlockManager
 from scheduler_proc.endings import RequestEndings
 from scheduler_proc.intake import ResultIntake
@@ -85,6 +86,7 @@ class Scheduler(ResultIntake, RequestEndings):
         )
         self._clock = clock
         self.constrained = ConstrainedRequests(config)
+        self.bad_words = BadWordBans()
 
         self._requests: dict[str, Request] = {}  # every waiting or running request
         self._waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
@@ -197,8 +199,10 @@ class Scheduler(ResultIntake, RequestEndings):
             rejection = self.constrained.start(request)
             if rejection is not None:
                 del self._requests[request.request_id]
-            return rejection
-        self._waiting.append(request)
+                return rejection
+        else:
+            self._waiting.append(request)
+        self.bad_words.add(request)
         return None
 
     def collect_grammars(self) -> list[RequestRejected]:
@@ -206,6 +210,8 @@ class Scheduler(ResultIntake, RequestEndings):
         whose constraint did not compile (their rejections, for the frontend)."""
         ready, rejections = self.constrained.settle(self._requests)
         self._waiting.extend(ready)
+        for rejection in rejections:
+            self.bad_words.drop(rejection.request_id)
         return rejections
 
     def abort(self, request_ids: Iterable[str]) -> list[SeqOutput]:
@@ -285,6 +291,8 @@ class Scheduler(ResultIntake, RequestEndings):
         plan = batch.build(step_id, finished)
         if self.constrained.num_live:
             self.constrained.mark(plan, batch.requests, batch.samplers)
+        if self.bad_words.num_live:
+            self.bad_words.mark(plan, batch.requests, batch.samplers)
         return plan
 
     def _plan_running(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from frontend_proc.engine_extras import bad_words_token_ids
 from tests.server_util import Server
 
 pytestmark = pytest.mark.slow
@@ -58,7 +59,38 @@ def test_a_cache_salt_keeps_cached_prefixes_to_its_own_requests(server):
     assert cached == {"a": 0, "b": 0, "c": 64, "d": 0}
 
 
+def test_bad_words_are_never_written(server, tiny_qwen3_dir):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{tiny_qwen3_dir}/tokenizer.json")
+    body = dict(prompt=[1000, 1001, 1002], temperature=0, max_tokens=40, return_token_ids=True)
+    free = complete(server, **body)["choices"][0]["token_ids"]
+
+    # Two words the model writes unbanned, as their text, whose text the tokenizer process
+    # splits into those very tokens again (at the start, or after one space).
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    words, sequences = [], []
+    for length in (2, 3):
+        for start in range(2, len(free) - length):
+            span = free[start : start + length]
+            word = tokenizer.decode(span)
+            if span in bad_words_token_ids([word], encode):
+                words.append(word)
+                sequences += bad_words_token_ids([word], encode)
+                break
+    assert len(words) == 2, free
+    banned = complete(server, **body, bad_words=words)["choices"][0]["token_ids"]
+    assert banned != free
+    for ids in sequences:
+        assert not any(banned[i : i + len(ids)] == ids for i in range(len(banned))), (ids, banned)
+    # The same request with a text prompt, and through chat.
+    status, _ = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "bad_words": words})  # fmt: skip
+    assert status == 200
+
+
 def test_unsupported_extensions_are_400s(server):
-    for body, param in (({"bad_words": ["x"]}, "bad_words"), ({"priority": 1}, "priority")):
+    for body, param in (({"bad_words": [""]}, "bad_words"), ({"priority": 1}, "priority")):
         status, out = server.post("/v1/completions", {"prompt": "hi", **body})
         assert status == 400 and out["error"]["param"] == param

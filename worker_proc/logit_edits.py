@@ -1,5 +1,5 @@
-"""Edits of some rows' logits before sampling: ``logit_bias``, ``allowed_token_ids``,
-``min_tokens``, and the grammar of a request with structured output.
+"""Edits of some rows' logits before sampling: ``logit_bias``, ``bad_words``,
+``allowed_token_ids``, ``min_tokens``, and the grammar of a request with structured output.
 
 A request's ``logit_bias`` adds its values to its tokens' logits at every step. A request
 whose output is still shorter than ``min_tokens`` cannot end it: its stop tokens (the
@@ -12,6 +12,10 @@ An edit is sparse: ``[rows, n]`` token ids and values, padded per row with a rep
 first id and a value that changes nothing (0 added, -inf set again). The bias is fixed for
 a batch's composition; the stop-token mask changes when a row reaches its ``min_tokens``,
 which the host knows at every step from the sequence's length.
+
+A one-token bad word is a bias of -inf at every step. A longer one is banned at the steps the
+scheduler names (scheduler_proc/bad_words.py), some gated on the row's token of the step
+before, which only the device knows yet.
 
 A request's ``allowed_token_ids`` keep those tokens' logits and set every other to -inf.
 
@@ -79,15 +83,65 @@ def _padded(
     return [np.asarray(rows, dtype=np.int64), id_array, value_array]
 
 
+def _banned_ids(params: SamplingParams) -> list[int]:
+    return [word[0] for word in params.bad_words_token_ids if len(word) == 1]
+
+
 def bias_edits(params: Sequence[SamplingParams], uploader: Uploader) -> TokenEdits | None:
-    """The ``logit_bias`` of every row that has one, or None."""
-    rows = [i for i, p in enumerate(params) if p.logit_bias_ids]
+    """The ``logit_bias`` of every row that has one, and its one-token bad words as a bias
+    of -inf, or None."""
+    banned = [_banned_ids(p) for p in params]
+    rows = [i for i, p in enumerate(params) if p.logit_bias_ids or banned[i]]
     if not rows:
         return None
-    ids = [params[i].logit_bias_ids for i in rows]
-    values = [params[i].logit_bias_values for i in rows]
+    ids = [params[i].logit_bias_ids + banned[i] for i in rows]
+    values = [params[i].logit_bias_values + [float("-inf")] * len(banned[i]) for i in rows]
     arrays = _padded(rows, ids, values, 0.0)
     return TokenEdits(*uploader.upload(arrays, persistent=True), add=True)
+
+
+@dataclass
+class GatedBans:
+    """Tokens banned this step (longer bad words): entry i bans ``token_ids[i]`` in batch row
+    ``batch_rows[i]``, if ``gates[i]`` is -1 or the row's token of the step before."""
+
+    batch_rows: torch.Tensor  # [e] int64
+    token_ids: torch.Tensor  # [e] int64
+    gates: torch.Tensor  # [e] int64
+    values: torch.Tensor | None = None  # [e] float32: -inf where the ban holds, else 0
+
+    def open_gates(self, last_tokens: torch.Tensor, sample_slot: torch.Tensor) -> None:
+        """Decide each ban from the rows' tokens before (``last_tokens`` at each sampling
+        row's slot ``sample_slot``), on the device: no sync."""
+        previous = last_tokens.index_select(0, sample_slot.index_select(0, self.batch_rows))
+        holds = (self.gates < 0) | (previous == self.gates)
+        self.values = torch.zeros(holds.shape, dtype=torch.float32, device=holds.device)
+        self.values.masked_fill_(holds, float("-inf"))
+
+    def apply(self, logits: torch.Tensor) -> None:
+        assert self.values is not None, "open_gates first"
+        logits.index_put_((self.batch_rows, self.token_ids), self.values, accumulate=True)
+
+
+def gated_bans(
+    ban_seq_ids: Sequence[int],
+    ban_token_ids: Sequence[int],
+    ban_gates: Sequence[int],
+    samplers: Sequence[HasSeqId],
+    uploader: Uploader,
+) -> GatedBans | None:
+    """The step's bans (``StepPlan.ban_*``) for the sampling rows ``samplers``, or None."""
+    if not ban_seq_ids:
+        return None
+    if not len(ban_seq_ids) == len(ban_token_ids) == len(ban_gates):
+        raise ValueError("a step's bans need a token and a gate each")
+    row_of = {seq.seq_id: i for i, seq in enumerate(samplers)}
+    try:
+        rows = [row_of[seq_id] for seq_id in ban_seq_ids]
+    except KeyError as exc:
+        raise ValueError(f"a ban for seq {exc.args[0]}, which samples no token") from None
+    arrays = [np.asarray(values, dtype=np.int64) for values in (rows, ban_token_ids, ban_gates)]
+    return GatedBans(*uploader.upload(arrays))
 
 
 @dataclass

@@ -328,8 +328,13 @@ class ModelRunner(StepDraw):
             logits = self.model.compute_logits(hidden.index_select(0, sample_index))
 
         samplers = [seqs[row] for row in layout.sample_rows]
+        bans = (
+            (plan.ban_seq_ids, plan.ban_token_ids, plan.ban_gates)
+            if plan is not None and plan.ban_seq_ids
+            else None
+        )
         sample = functools.partial(
-            self._sample, step_id, logits, greedy_tokens, samplers, sample_pos, sample_slot
+            self._sample, step_id, logits, greedy_tokens, samplers, sample_pos, sample_slot, bans
         )
         if plan is not None and plan.masks_follow and self.rank == 0:
             # The forward pass is queued; the draw waits for the step's grammar masks.

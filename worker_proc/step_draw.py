@@ -18,7 +18,7 @@ import torch
 from pegainfer.protocol import StepMasks, unpack_ids
 from worker_proc.batch import SequenceState
 from worker_proc.live_seqs import PlanError
-from worker_proc.logit_edits import StopMasks, allowed_tokens
+from worker_proc.logit_edits import StopMasks, allowed_tokens, gated_bans
 from worker_proc.logprobs import LogprobsCollector
 from worker_proc.model_config import ModelConfig
 from worker_proc.parallel_state import broadcast_from_rank0
@@ -65,13 +65,20 @@ class StepDraw:
         samplers: list[SequenceState],
         sample_pos: torch.Tensor,
         sample_slot: torch.Tensor,
+        bans: tuple[bytes, bytes, bytes] | None,
         masked_seq_ids: bytes,
         token_bitmask: bytes,
         mask_gates: bytes = b"",
     ) -> None:
-        """Draw the step's tokens, and queue them for the host and the next step's inputs."""
+        """Draw the step's tokens, and queue them for the host and the next step's inputs.
+        ``bans``: the plan's ``ban_seq_ids``, ``ban_token_ids`` and ``ban_gates``."""
         batch = self._sampling_batch(samplers)
         if self.rank == 0:
+            banned = (
+                gated_bans(*(unpack_ids(b) for b in bans), samplers, self.uploader)
+                if bans is not None
+                else None
+            )
             allowed = (
                 allowed_tokens(
                     unpack_ids(masked_seq_ids),
@@ -84,9 +91,11 @@ class StepDraw:
                 if masked_seq_ids
                 else None
             )
+            # Before this step's tokens overwrite the last tokens the gates compare.
             if allowed is not None:
-                # Before this step's tokens overwrite the last tokens the gates compare.
                 allowed.open_gates(self.slots.last_token, sample_slot)
+            if banned is not None:
+                banned.open_gates(self.slots.last_token, sample_slot)
             tokens = self.sampler.sample(
                 logits,
                 batch,
@@ -95,6 +104,7 @@ class StepDraw:
                 greedy_tokens=greedy_tokens,
                 stop_mask=self.stop_masks.for_step(),
                 allowed=allowed,
+                bans=banned,
             )
         else:  # rank 0's tokens are the tokens; the others receive them (parallel_state)
             tokens = torch.empty(len(samplers), dtype=torch.int64, device=self.device)
