@@ -93,25 +93,31 @@ class PromptLogprobs:
         return [self._by_position[p] for p in sorted(self._by_position)]
 
 
+def token_label(token_id: int, data: bytes, as_token_ids: bool) -> str:
+    """A token as logprobs name it: its text, or ``token_id:<id>`` (vLLM's
+    ``return_tokens_as_token_ids``, for tokens whose text does not say which they are)."""
+    return f"token_id:{token_id}" if as_token_ids else token_text(data)
+
+
 def completion_logprobs(
-    tokens: list[TokenEntry], num_top: int, text_offset_start: int = 0
+    tokens: list[TokenEntry], num_top: int, text_offset_start: int = 0, as_token_ids: bool = False
 ) -> dict[str, Any]:
     """The legacy completions shape; ``top_logprobs`` maps have the ``num_top`` best tokens
-    plus the chosen one when it is not among them."""
+    plus the chosen one when it is not among them. Offsets count the tokens' text."""
     texts, logprobs, tops, offsets = [], [], [], []
     offset = text_offset_start
     for entry in tokens:
-        text = entry.text
+        text = token_label(entry.token_id, entry.data, as_token_ids)
         texts.append(text)
         logprobs.append(entry.logprob)
         offsets.append(offset)
-        offset += len(text)
+        offset += len(entry.text)
         if entry.logprob is None:
             tops.append(None)
             continue
         top: dict[str, float] = {}
-        for _, data, value in entry.top[:num_top]:
-            top.setdefault(token_text(data), value)
+        for token_id, data, value in entry.top[:num_top]:
+            top.setdefault(token_label(token_id, data, as_token_ids), value)
         top.setdefault(text, entry.logprob)
         tops.append(top)
     return {
@@ -122,19 +128,25 @@ def completion_logprobs(
     }
 
 
-def chat_logprobs(tokens: list[TokenEntry], num_top: int) -> dict[str, Any]:
+def chat_logprobs(
+    tokens: list[TokenEntry], num_top: int, as_token_ids: bool = False
+) -> dict[str, Any]:
     content = []
     for entry in tokens:
         if entry.logprob is None:
             continue
         content.append(
             {
-                "token": entry.text,
+                "token": token_label(entry.token_id, entry.data, as_token_ids),
                 "logprob": entry.logprob,
                 "bytes": list(entry.data),
                 "top_logprobs": [
-                    {"token": token_text(data), "logprob": value, "bytes": list(data)}
-                    for _, data, value in entry.top[:num_top]
+                    {
+                        "token": token_label(token_id, data, as_token_ids),
+                        "logprob": value,
+                        "bytes": list(data),
+                    }
+                    for token_id, data, value in entry.top[:num_top]
                 ],
             }
         )

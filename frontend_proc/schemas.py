@@ -60,6 +60,7 @@ class CommonOptions:
     include_usage: bool
     user: str | None
     truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool = False
 
 
 @dataclass
@@ -75,6 +76,7 @@ class CompletionRequest:
     user: str | None = None
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
 
 
 @dataclass
@@ -98,6 +100,7 @@ class ChatCompletionRequest:
     max_tool_calls: int | None = None
     truncate_prompt_tokens: int | None = None
     include_reasoning: bool = True  # false: no reasoning_content, the reasoning dropped
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
 
 
 def require_object(body: Any) -> dict[str, Any]:
@@ -172,6 +175,7 @@ def _common(
         include_usage=include_usage,
         user=get_str(body, "user", None),
         truncate_prompt_tokens=extras.truncate_prompt_tokens,
+        return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", False),
     )
 
 
@@ -208,6 +212,7 @@ def parse_completion_request(
         user=common.user,
         return_token_ids=get_bool(body, "return_token_ids", False),
         truncate_prompt_tokens=common.truncate_prompt_tokens,
+        return_tokens_as_token_ids=common.return_tokens_as_token_ids,
     )
 
 
@@ -272,4 +277,5 @@ def parse_chat_request(
         continue_final_message=continue_final_message,
         truncate_prompt_tokens=common.truncate_prompt_tokens,
         include_reasoning=get_bool(body, "include_reasoning", True),
+        return_tokens_as_token_ids=common.return_tokens_as_token_ids,
     )

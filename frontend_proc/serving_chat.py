@@ -91,7 +91,11 @@ async def create_chat_completion(
             {
                 "index": index,
                 "message": message(state),  # first: it may make the finish "tool_calls"
-                "logprobs": chat_logprobs(state.logprobs, num_top) if request.logprobs else None,
+                "logprobs": (
+                    chat_logprobs(state.logprobs, num_top, request.return_tokens_as_token_ids)
+                    if request.logprobs
+                    else None
+                ),
                 "finish_reason": state.finish_reason,
                 "stop_reason": state.stop_reason,
             }
@@ -172,7 +176,7 @@ async def create_chat_completion(
     def chunk_for(index: int, delta: TextDelta, state: ChoiceState) -> list[dict[str, Any]]:
         fields = text_fields(index, delta)
         logprobs = (
-            chat_logprobs(state.new_logprobs, num_top)
+            chat_logprobs(state.new_logprobs, num_top, request.return_tokens_as_token_ids)
             if request.logprobs and state.new_logprobs
             else None
         )

@@ -118,7 +118,7 @@ def _all_logprobs(request: CompletionRequest, state: ChoiceState) -> dict[str, A
     if request.echo:
         tokens.extend(state.prompt_logprobs.ordered())
     tokens.extend(state.logprobs)
-    return completion_logprobs(tokens, request.logprobs)
+    return completion_logprobs(tokens, request.logprobs, 0, request.return_tokens_as_token_ids)
 
 
 async def create_completion(
@@ -179,8 +179,10 @@ async def create_completion(
         tokens.extend(state.new_logprobs)
         if not tokens:
             return None
-        result = completion_logprobs(tokens, request.logprobs, text_offsets[index])
-        text_offsets[index] += sum(len(text) for text in result["tokens"])
+        result = completion_logprobs(
+            tokens, request.logprobs, text_offsets[index], request.return_tokens_as_token_ids
+        )
+        text_offsets[index] += sum(len(entry.text) for entry in tokens)
         return result
 
     def chunk_for(index: int, delta: TextDelta, state: ChoiceState) -> list[dict[str, Any]]:

@@ -49,7 +49,8 @@ _COMMON_FIELDS = (
             "model max_tokens temperature top_p top_k min_p seed min_tokens ignore_eos "
             "stop_token_ids stop include_stop_str_in_output presence_penalty frequency_penalty "
             "repetition_penalty skip_special_tokens logit_bias n stream stream_options user "
-            "allowed_token_ids truncate_prompt_tokens cache_salt bad_words priority"
+            "allowed_token_ids truncate_prompt_tokens cache_salt bad_words priority "
+            "return_tokens_as_token_ids"
         ).split()
     )
     | STRUCTURED_FIELDS

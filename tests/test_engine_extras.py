@@ -187,3 +187,25 @@ def test_without_reasoning_the_answer_is_the_content_alone() -> None:
         assert "".join(d.get("content") or "" for d in streamed) == "\n\nParis."
         reasoning = "".join(d.get("reasoning_content") or "" for d in streamed)
         assert reasoning == ("\nLet me see.\n" if include else "")
+
+
+# -- return_tokens_as_token_ids ------------------------------------------------------------
+
+
+def test_logprobs_may_name_tokens_by_id() -> None:
+    from frontend_proc.logprobs import TokenEntry, chat_logprobs, completion_logprobs
+
+    tokens = [
+        TokenEntry(7, b"ab", -0.5, [(7, b"ab", -0.5), (9, b"\xe4", -1.0)]),
+        TokenEntry(3, b"c", -0.1, []),
+    ]
+    legacy = completion_logprobs(tokens, 2, 10, as_token_ids=True)
+    assert legacy["tokens"] == ["token_id:7", "token_id:3"]
+    assert legacy["text_offset"] == [10, 12]  # the text's own lengths
+    assert legacy["top_logprobs"][0] == {"token_id:7": -0.5, "token_id:9": -1.0}
+    chat = chat_logprobs(tokens, 2, as_token_ids=True)["content"]
+    assert [c["token"] for c in chat] == ["token_id:7", "token_id:3"]
+    assert chat[0]["bytes"] == [97, 98] and chat[0]["top_logprobs"][1]["token"] == "token_id:9"
+    assert completion_logprobs(tokens, 2)["tokens"] == ["ab", "c"]
+    request = parse_completion_request({"prompt": "x", "return_tokens_as_token_ids": True}, MODEL)
+    assert request.return_tokens_as_token_ids

@@ -90,6 +90,17 @@ def test_bad_words_are_never_written(server, tiny_qwen3_dir):
     assert status == 200
 
 
+def test_logprobs_name_tokens_by_id_on_request(server):
+    body = dict(prompt="Say:", temperature=0, max_tokens=6, logprobs=2, return_token_ids=True)
+    out = complete(server, **body, return_tokens_as_token_ids=True)["choices"][0]
+    assert out["logprobs"]["tokens"] == [f"token_id:{t}" for t in out["token_ids"]]
+    status, chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True})  # fmt: skip
+    assert status == 200
+    assert all(
+        c["token"].startswith("token_id:") for c in chat["choices"][0]["logprobs"]["content"]
+    )
+
+
 def test_unsupported_extensions_are_400s(server):
     for body, param in (({"bad_words": [""]}, "bad_words"), ({"priority": 1}, "priority")):
         status, out = server.post("/v1/completions", {"prompt": "hi", **body})
