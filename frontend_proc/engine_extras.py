@@ -1,6 +1,6 @@
 """vLLM's request extensions that reach past the sampler: ``allowed_token_ids``,
-``bad_words``, ``truncate_prompt_tokens`` and ``cache_salt``, and the one refused because
-this server cannot honour it (a ``priority`` other than 0: there is no priority scheduling).
+``bad_words``, ``truncate_prompt_tokens``, ``cache_salt`` and ``priority`` (which the
+scheduler refuses unless the server schedules by priority).
 
 ``bad_words`` are strings the output may never write as the tokenizer writes them, at the
 text's start or after a space (scheduler_proc/bad_words.py applies them).
@@ -29,6 +29,7 @@ class EngineExtras:
     truncate_prompt_tokens: int | None
     cache_salt: str | None
     bad_words: list[str]
+    priority: int
 
 
 def get_bad_words(body: dict[str, Any]) -> list[str]:
@@ -54,11 +55,6 @@ def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) ->
 
 
 def parse_engine_extras(body: dict[str, Any]) -> EngineExtras:
-    if get_int(body, "priority", 0, lo=-MAX_INT32, hi=MAX_INT32) != 0:
-        raise invalid(
-            "'priority' is not supported: requests are scheduled first come, first served",
-            "priority",
-        )
     allowed = get_int_list(body, "allowed_token_ids")
     if body.get("allowed_token_ids") is not None and not allowed:
         raise invalid("'allowed_token_ids' must not be empty", "allowed_token_ids")
@@ -71,7 +67,8 @@ def parse_engine_extras(body: dict[str, Any]) -> EngineExtras:
     salt = get_str(body, "cache_salt", None)
     if salt is not None and not salt:
         raise invalid("'cache_salt' must not be empty", "cache_salt")
-    return EngineExtras(sorted(set(allowed)), truncate, salt, get_bad_words(body))
+    priority = get_int(body, "priority", 0, lo=-MAX_INT32, hi=MAX_INT32)
+    return EngineExtras(sorted(set(allowed)), truncate, salt, get_bad_words(body), priority)
 
 
 def truncate_prompt(packed: bytes, truncate_prompt_tokens: int | None, max_model_len: int) -> bytes:

@@ -153,6 +153,7 @@ def _common(
     sampling.allowed_token_ids = extras.allowed_token_ids
     sampling.cache_salt = extras.cache_salt
     sampling.bad_words = extras.bad_words
+    sampling.priority = extras.priority
     if max_tokens != FILL_CONTEXT and sampling.min_tokens > max_tokens:
         raise invalid(
             f"'min_tokens' ({sampling.min_tokens}) must not exceed 'max_tokens' ({max_tokens})",

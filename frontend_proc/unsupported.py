@@ -3,8 +3,7 @@
 Unknown fields are ignored (clients send extras such as ``store`` or ``metadata`` that change
 nothing here); the first request to carry one names it in the log. The fields below would change what the client gets back if they worked, so
 ignoring them would answer another question than the one asked: audio, server-side best-of
-and insertion are not implemented (nor vLLM's ``bad_words`` and ``priority``:
-frontend_proc/engine_extras.py).
+and insertion are not implemented.
 A field at its "off" value (``best_of`` equal to ``n``, an empty ``suffix``) is accepted.
 """
 

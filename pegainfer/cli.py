@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="turn automatic prefix caching off",
     )
     engine.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="serve waiting requests first come first served, or by their 'priority' "
+        "(lower first; the last to be preempted), then arrival",
+    )
+    engine.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -187,6 +194,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
         tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.enforce_eager,
         no_overlap=args.no_overlap,

@@ -54,6 +54,9 @@ class EngineConfig:
     kv_cache_memory: int = 0  # bytes; 0: derived (CPU) or profiled (GPU)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # "fcfs": first come, first served; "priority": by each request's priority (lower
+    # first), then arrival.
+    scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     no_overlap: bool = False  # one step in flight: plan only after the last result

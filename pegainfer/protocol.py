@@ -148,6 +148,8 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     # The prefix cache shares blocks only among requests of the same salt (None: unsalted).
     cache_salt: str | None = None
+    # With --scheduling-policy priority: lower runs first and is preempted last.
+    priority: int = 0
     # Set by the tokenizer process: the chat prompt ends inside a think block (a template
     # that opens it for the model), so the output starts as reasoning.
     starts_in_reasoning: bool = False

@@ -34,6 +34,7 @@ class RequestEndings:
     block_manager: BlockManager
     constrained: ConstrainedRequests
     bad_words: BadWordBans
+    _enqueue: Callable[..., None]  # queue a waiting request (the Scheduler's)
     num_preemptions: int
 
     def __init__(self) -> None:
@@ -94,7 +95,7 @@ class RequestEndings:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._waiting.appendleft(request)
+        self._enqueue(request, preempted=True)
         logger.debug(
             "preempted request %s (%d tokens) to free KV blocks",
             request.request_id,

@@ -128,9 +128,10 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     @property
-    def priority_key(self) -> tuple[float, int]:
-        """Older requests sort first: they are served first and preempted last."""
-        return (self.arrival_time, self.arrival_index)
+    def priority_key(self) -> tuple[int, float, int]:
+        """Requests of lower priority value, then older ones, sort first: they are served
+        first and preempted last (every priority is 0 unless the policy is "priority")."""
+        return (self.sampling.priority, self.arrival_time, self.arrival_index)
 
     def summary(self) -> str:
         """The finished request's lifecycle log line (after its id). "computed N prompt

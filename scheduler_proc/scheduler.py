@@ -48,7 +48,13 @@ from pegainfer.protocol import (
     StepPlan,
     TokenizedRequest,
 )
-from scheduler_proc.admission import AdmissionPlan, EarlyAborts, check_admission, plan_admission
+from scheduler_proc.admission import (
+    AdmissionPlan,
+    EarlyAborts,
+    check_admission,
+    plan_admission,
+    reject,
+)
 from scheduler_proc.bad_words import BadWordBans
 from scheduler_proc.block_manager import BlockManager
 from scheduler_proc.endings import RequestEndings
@@ -89,7 +95,10 @@ class Scheduler(ResultIntake, RequestEndings):
         self.bad_words = BadWordBans()
 
         self._requests: dict[str, Request] = {}  # every waiting or running request
-        self._waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
+        # In priority_key order, by arrival (FCFS) or by priority; preempted requests go
+        # back to the front, or by priority among the waiting.
+        self._waiting: deque[Request] = deque()
+        self._by_priority = config.scheduling_policy == "priority"
         self._running: list[Request] = []  # kept sorted oldest first (priority_key)
         self._seq_to_request: dict[int, Request] = {}  # live seq ids of running requests
         # step_id -> seq ids that sample a token in that step, for steps not yet answered.
@@ -182,6 +191,12 @@ class Scheduler(ResultIntake, RequestEndings):
         )
         if isinstance(checked, RequestRejected):
             return checked
+        if tokenized.sampling.priority and not self._by_priority:
+            return reject(
+                tokenized.request_id,
+                "'priority' needs a server started with --scheduling-policy priority",
+                "priority",
+            )
         request = Request(
             request_id=tokenized.request_id,
             prompt_token_ids=checked,
@@ -201,7 +216,7 @@ class Scheduler(ResultIntake, RequestEndings):
                 del self._requests[request.request_id]
                 return rejection
         else:
-            self._waiting.append(request)
+            self._enqueue(request)
         self.bad_words.add(request)
         return None
 
@@ -209,10 +224,22 @@ class Scheduler(ResultIntake, RequestEndings):
         """Move the requests whose grammar has compiled to the waiting queue; refuse those
         whose constraint did not compile (their rejections, for the frontend)."""
         ready, rejections = self.constrained.settle(self._requests)
-        self._waiting.extend(ready)
+        for request in ready:
+            self._enqueue(request)
         for rejection in rejections:
             self.bad_words.drop(rejection.request_id)
         return rejections
+
+    def _enqueue(self, request: Request, preempted: bool = False) -> None:
+        """Queue a waiting request: last (first if preempted), or in priority order."""
+        if self._by_priority:
+            key = request.priority_key
+            index = bisect.bisect_right(self._waiting, key, key=lambda r: r.priority_key)
+            self._waiting.insert(index, request)
+        elif preempted:
+            self._waiting.appendleft(request)
+        else:
+            self._waiting.append(request)
 
     def abort(self, request_ids: Iterable[str]) -> list[SeqOutput]:
         """``apply_aborts``, and the deferred bookkeeping (their blocks freed) at once."""

@@ -1,6 +1,6 @@
 """vLLM's request extensions: ``allowed_token_ids`` (the worker keeps only those logits),
 ``truncate_prompt_tokens`` (the tokenizer process, or the frontend for token-id prompts,
-keeps the prompt's tail), ``include_reasoning``, and the refusal of ``priority``.
+keeps the prompt's tail), ``include_reasoning`` and ``priority``.
 ``cache_salt`` is in test_prefix_cache.py, ``bad_words`` in test_bad_words.py."""
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ def test_the_extensions_are_read_into_the_request() -> None:
         "allowed_token_ids": [9, 3, 9],
         "truncate_prompt_tokens": 5,
         "cache_salt": "tenant-7",
-        "priority": 0,
+        "priority": -3,
         "bad_words": ["spam", "eggs"],
     }
     request = parse_completion_request(body, MODEL)
     assert request.sampling.allowed_token_ids == [3, 9]
     assert request.sampling.cache_salt == "tenant-7"
     assert request.truncate_prompt_tokens == 5
-    assert request.sampling.bad_words == ["spam", "eggs"]
+    assert request.sampling.bad_words == ["spam", "eggs"] and request.sampling.priority == -3
     chat = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **body}, MODEL)
     assert chat.truncate_prompt_tokens == 5 and chat.include_reasoning
     body = {"messages": [{"role": "user", "content": "hi"}], "include_reasoning": False}
@@ -55,7 +55,7 @@ def test_the_extensions_are_read_into_the_request() -> None:
     ("field", "value", "words"),
     [
         ("bad_words", "spam", "list of strings"),
-        ("priority", 3, "first come"),
+        ("priority", 1.5, "integer"),
         ("allowed_token_ids", [], "must not be empty"),
         ("allowed_token_ids", [-1], "outside"),
         ("truncate_prompt_tokens", 0, "at least 1"),

@@ -105,3 +105,18 @@ def test_unsupported_extensions_are_400s(server):
     for body, param in (({"bad_words": [""]}, "bad_words"), ({"priority": 1}, "priority")):
         status, out = server.post("/v1/completions", {"prompt": "hi", **body})
         assert status == 400 and out["error"]["param"] == param
+
+
+def test_a_priority_server_takes_priorities(tiny_qwen3_dir, tmp_path):
+    srv = Server(
+        "--model-path", tiny_qwen3_dir, "--device", "cpu", "--kv-cache-memory", "64MiB",
+        "--max-model-len", "256", "--scheduling-policy", "priority",
+        log_path=str(tmp_path / "pegainfer.log"),
+    ).wait_ready()  # fmt: skip
+    try:
+        for priority in (-5, 0, 7):
+            out = complete(srv, prompt="Say:", priority=priority, temperature=0)
+            assert out["choices"][0]["finish_reason"] == "length"
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
+    assert srv.leftovers() == []
