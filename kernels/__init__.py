@@ -12,9 +12,11 @@ from kernels.pending_norm import PendingNorm, as_tensor
 from kernels.prefill_work import prefill_queries_per_tile, prefill_work_table
 from kernels.rmsnorm import embed_rms_norm, fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_and_store_kv, rotary_embedding
+from kernels.token_bitmask import apply_token_bitmask
 
 __all__ = [
     "PendingNorm",
+    "apply_token_bitmask",
     "argmax_rows",
     "as_tensor",
     "embed_rms_norm",

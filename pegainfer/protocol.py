@@ -167,6 +167,10 @@ class NewSequence:
     token_ids: bytes  # packed int32
     sampling: SamplingParams
     num_prompt_tokens: int
+    # A request whose constraint starts after a token (StructuredOutput.after_token_id) and
+    # has not seen it: its grammar's first mask (little-endian int32 words), which the
+    # sampling rank keeps for the step that may draw right after that token.
+    first_mask: bytes = b""
 
 
 @dataclass
@@ -330,10 +334,10 @@ class StepPlan:
     # The bitmask comes later, in a StepMasks for this step (to the sampling rank): a masked
     # row's token of the step before is still in flight, and its grammar needs it.
     masks_follow: bool = False
-    # Per masked row (packed int32, empty when none is): -1, or the token id that its mask
-    # waits for. Such a row's grammar starts after that token, which is still in flight:
-    # the mask holds only if the row's token of the step before is that one.
-    mask_gates: bytes = b""
+    # Sampling rows whose grammar starts after a token (its after_token_id) not yet seen,
+    # and whose token of the step before is still in flight: each draws under the first
+    # mask its NewSequence brought if, and only if, that token is the one.
+    gated_seq_ids: bytes = b""  # packed int32
     # Tokens banned this step (bad_words): per entry a seq id, the token, and -1 or the
     # token the ban waits for (it holds only if the row's token of the step before is it).
     ban_seq_ids: bytes = b""  # packed int32

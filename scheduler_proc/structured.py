@@ -123,43 +123,48 @@ class ConstrainedRequests:
         token of the step before is still in flight (two pending: that one and this plan's),
         with ``masks_follow``, the bitmask left to ``ready_masks``.
 
-        A sleeping grammar (``RequestGrammar.opens_after``) whose row's token before is in
-        flight may wake on that token: the row gets its grammar's first mask, gated on the
-        token, and the worker applies it only if the token is the one that wakes it. Its
-        steps never wait for a mask."""
+        A sleeping grammar (``RequestGrammar.opens_after``) sends its first mask once, with
+        its sequence; a step whose row's token before is in flight, which may be the one
+        that wakes it, lists the row in ``gated_seq_ids``, and the worker applies that mask
+        only if the token is the one. Those steps never wait for a mask."""
+        if plan.new_seqs:
+            self._send_first_masks(plan, requests)
         sampling = set(samplers)
         rows = [r for r in requests if r.grammar is not None and r.seq_id in sampling]
         if not rows:
             return
         assert self._bitmask is not None
-        waking = [r for r in rows if r.grammar.asleep and r.num_pending_tokens > 1]
+        waking = [r.seq_id for r in rows if r.grammar.asleep and r.num_pending_tokens > 1]
+        if waking:
+            plan.gated_seq_ids = pack_ids(waking)
         awake = [r for r in rows if not r.grammar.asleep]
         if any(r.num_pending_tokens > 1 for r in awake):
-            # The waking rows' tokens before will be known by then too: masks that follow
-            # need no gate.
-            rows = awake + waking
-            plan.masked_seq_ids = pack_ids([r.seq_id for r in rows])
+            plan.masked_seq_ids = pack_ids([r.seq_id for r in awake])
             plan.masks_follow = True
-            self.deferred.append((plan.step_id, [(r.seq_id, r) for r in rows]))
+            self.deferred.append((plan.step_id, [(r.seq_id, r) for r in awake]))
             return
         # A grammar that has ended (its stop token drawn, the request ignoring EOS) no
         # longer constrains the tokens after it.
         awake = [r for r in awake if not r.grammar.matcher.is_terminated()]
-        if not awake and not waking:
-            return
-        plan.masked_seq_ids = pack_ids([r.seq_id for r in awake + waking])
-        bitmask = self._bitmask.pack([r.grammar for r in awake]) if awake else b""
-        if waking:
-            bitmask += b"".join(r.grammar.first_mask(self._bitmask) for r in waking)
-            gates = [-1] * len(awake) + [r.grammar.opens_after for r in waking]
-            plan.mask_gates = pack_ids(gates)
-        plan.token_bitmask = bitmask
+        if awake:
+            plan.masked_seq_ids = pack_ids([r.seq_id for r in awake])
+            plan.token_bitmask = self._bitmask.pack([r.grammar for r in awake])
+
+    def _send_first_masks(self, plan: StepPlan, requests: list[Request]) -> None:
+        """Each new sequence of a sleeping grammar carries that grammar's first mask."""
+        assert self._bitmask is not None or not self.num_live
+        by_seq = {r.seq_id: r for r in requests}
+        for new in plan.new_seqs:
+            grammar = by_seq[new.seq_id].grammar
+            if grammar is not None and grammar.asleep:
+                assert self._bitmask is not None
+                new.first_mask = grammar.first_mask(self._bitmask)
 
     def ready_masks(self, live: dict[int, Request]) -> list[StepMasks]:
         """The masks of deferred plans whose rows' grammars have taken every token before
         the plan's, in plan order. A row whose request has left (finished, aborted,
-        preempted: the worker drops its token), whose grammar has ended or still sleeps
-        allows every token."""
+        preempted: the worker drops its token) or whose grammar has ended allows every
+        token."""
         ready = []
         while self.deferred:
             step_id, rows = self.deferred[0]
@@ -182,5 +187,5 @@ class ConstrainedRequests:
 
 
 def _constrains(grammar: RequestGrammar | None) -> bool:
-    """Whether the grammar limits the next token: it is awake and has not ended."""
-    return grammar is not None and not grammar.asleep and not grammar.matcher.is_terminated()
+    """Whether the grammar limits the next token: it has not ended."""
+    return grammar is not None and not grammar.matcher.is_terminated()

@@ -59,7 +59,7 @@ def serve(runner: ModelRunner, in_flight: int, only=None) -> tuple[dict, dict, i
     def counting_submit(plan: StepPlan) -> None:
         nonlocal deferred, gated
         deferred += plan.masks_follow
-        gated += THINK_END in unpack_ids(plan.mask_gates)
+        gated += bool(plan.gated_seq_ids)
         submit(plan)
 
     runner.submit = counting_submit

@@ -115,28 +115,33 @@ def test_a_prompt_that_opens_the_think_block_starts_the_output_in_it(preprocesso
 # -- the scheduler: a sleeping grammar, and masks gated on the token that wakes it --------
 
 
-def draw(
-    view, samplers: list[int], previous: dict[int, int], scripts, vocab_size, rng
-) -> StepResult:
-    """A worker: a row applies its mask unless it is gated on a token other than its
-    previous one. While a row's script lasts (its reasoning) it may draw any token, and
-    writes the script; after it, the row must be masked and draws among the allowed, as
-    constrained rows without a script do; the others draw token 100."""
+def bits_allowed(words: bytes, vocab_size: int) -> np.ndarray:
+    bits = np.unpackbits(np.frombuffer(words, dtype="<i4").view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits[:vocab_size])
+
+
+def draw(view, samplers: list[int], state: dict, vocab_size, rng) -> StepResult:
+    """A worker: a masked row draws among its mask's tokens; a gated row among its first
+    mask's if its token before is the gate (</think>), else freely. While a row's script
+    lasts (its reasoning) it may draw any token, and writes the script; after it, the row
+    must be constrained; rows without a grammar draw token 100."""
     masked = unpack_ids(view.masked_seq_ids)
-    gates = dict(zip(masked, unpack_ids(view.mask_gates))) if view.mask_gates else {}
+    gated = unpack_ids(view.gated_seq_ids)
+    previous, scripts, first_masks = state["previous"], state["scripts"], state["first_masks"]
     tokens = []
     for seq_id in samplers:
-        applies = seq_id in masked and gates.get(seq_id, -1) in (-1, previous.get(seq_id))
+        allowed = None
+        if seq_id in masked:
+            allowed = allowed_ids(view, seq_id, vocab_size)
+        elif seq_id in gated and previous.get(seq_id) == THINK_END:
+            allowed = bits_allowed(first_masks[seq_id], vocab_size)
         script = scripts.get(seq_id)
         if script:
-            # Masks that followed their plan know the row still reasons: all allowed.
-            assert not applies or len(allowed_ids(view, seq_id, vocab_size)) == vocab_size, (
-                "a mask on a row still reasoning"
-            )
+            assert allowed is None, "a mask on a row still reasoning"
             tokens.append(script.pop(0))
-        elif script is not None or applies:
-            assert applies, "no mask on a row past its </think>"
-            tokens.append(int(rng.choice(allowed_ids(view, seq_id, vocab_size))))
+        elif script is not None or allowed is not None:
+            assert allowed is not None, "no mask on a row past its </think>"
+            tokens.append(int(rng.choice(allowed)))
         else:
             tokens.append(100)
         previous[seq_id] = tokens[-1]
@@ -151,8 +156,7 @@ def run_with_reasoning(
     rng = np.random.default_rng(seed)
     outputs: dict[str, list[int]] = {}
     finishes: dict[str, str] = {}
-    scripts: dict[int, list[int]] = {}
-    previous: dict[int, int] = {}
+    state: dict = {"previous": {}, "scripts": {}, "first_masks": {}}
     in_flight, masks_of, counts = [], {}, {"gated": 0, "follow": 0}
     for _ in range(2000):
         settle(scheduler)
@@ -160,29 +164,31 @@ def run_with_reasoning(
             plan = scheduler.schedule()
             if plan is None:
                 break
-            for seq_id in unpack_ids(plan.seq_ids):
-                request_id = scheduler._seq_to_request[seq_id].request_id
-                if request_id in reasoning and seq_id not in scripts:
-                    scripts[seq_id] = list(reasoning[request_id])
+            for new in plan.new_seqs:
+                request_id = scheduler._seq_to_request[new.seq_id].request_id
+                if request_id in reasoning:
+                    state["scripts"].setdefault(new.seq_id, list(reasoning[request_id]))
+                    assert new.first_mask, "a sleeping grammar's sequence brings its first mask"
+                    state["first_masks"][new.seq_id] = new.first_mask
             in_flight.append(plan)
-            counts["gated"] += bool(plan.mask_gates)
+            counts["gated"] += bool(plan.gated_seq_ids)
             counts["follow"] += plan.masks_follow
             if not plan.masks_follow:
-                masks_of[plan.step_id] = (plan.masked_seq_ids, plan.token_bitmask, plan.mask_gates)
+                masks_of[plan.step_id] = (plan.masked_seq_ids, plan.token_bitmask)
         if not in_flight:
             break
         plan = in_flight.pop(0)
-        masked_seq_ids, bitmask, gates = masks_of.pop(plan.step_id)
-        fields = {"step_id": plan.step_id, "masked_seq_ids": masked_seq_ids, "token_bitmask": bitmask, "mask_gates": gates}  # fmt: skip
+        masked_seq_ids, bitmask = masks_of.pop(plan.step_id)
+        fields = {"step_id": plan.step_id, "masked_seq_ids": masked_seq_ids, "token_bitmask": bitmask, "gated_seq_ids": plan.gated_seq_ids}  # fmt: skip
         view = type("Plan", (), fields)
         samplers = list(scheduler._in_flight[plan.step_id])
-        result = draw(view, samplers, previous, scripts, vocab_size, rng)
+        result = draw(view, samplers, state, vocab_size, rng)
         for output in scheduler.on_step_result(result):
             outputs.setdefault(output.request_id, []).extend(unpack_ids(output.new_token_ids))
             if output.finish_reason is not None:
                 finishes[output.request_id] = output.finish_reason
         for masks in scheduler.take_step_masks():
-            masks_of[masks.step_id] = (masks.masked_seq_ids, masks.token_bitmask, b"")
+            masks_of[masks.step_id] = (masks.masked_seq_ids, masks.token_bitmask)
     assert not scheduler.has_work() and not in_flight
     return outputs, finishes, counts
 

@@ -3,12 +3,14 @@ the sampler drawing only allowed tokens."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
-from pegainfer.protocol import SamplingParams
-from worker_proc.logit_edits import AllowedTokens, allowed_tokens
+from pegainfer.protocol import SamplingParams, StructuredOutput
+from worker_proc.logit_edits import AllowedTokens, allowed_tokens, first_masks
 from worker_proc.penalties import PenaltyTable
 from worker_proc.sampler import Sampler
 from worker_proc.upload import Uploader
@@ -125,27 +127,28 @@ def test_on_cuda_constrained_rows_draw_only_allowed_tokens() -> None:
                     assert tokens == best
 
 
-class Seq:
-    def __init__(self, seq_id: int) -> None:
-        self.seq_id = seq_id
+def sequence(seq_id: int, gate: int | None, words: np.ndarray | None = None):
+    structured = None if gate is None else StructuredOutput("regex", "x", after_token_id=gate)
+    first_mask = None if words is None else torch.from_numpy(words.astype(np.int32))
+    sampling = SamplingParams(structured=structured)
+    return SimpleNamespace(seq_id=seq_id, sampling=sampling, first_mask=first_mask)
 
 
-def test_a_gated_mask_holds_only_after_its_token() -> None:
+def test_a_first_mask_holds_only_after_the_token_that_wakes_its_grammar() -> None:
     vocab = 70
     uploader = Uploader(torch.device("cpu"))
-    samplers = [Seq(7), Seq(8), Seq(9)]
-    words = np.zeros((3, 3), dtype=np.int32)
-    words[:, 0] = 0b1010  # tokens 1 and 3 only
-    # Row of seq 7: gated on token 5; seq 8: gated on token 6; seq 9: ungated.
-    allowed = allowed_tokens(
-        [7, 8, 9], words.astype("<i4").tobytes(), samplers, vocab, uploader, [5, 6, -1]
-    )
+    words = np.zeros(3, dtype=np.int32)
+    words[0] = 0b1010  # tokens 1 and 3 only
+    # Seq 7 waits for token 5, seq 8 for token 6; seq 9 has no sleeping grammar.
+    samplers = [sequence(7, 5, words), sequence(8, 6, words), sequence(9, None)]
+    gated = first_masks([7, 8], samplers, uploader)
     last_tokens = torch.tensor([0, 5, 5, 5])  # per slot; the rows sit in slots 1, 2, 3
-    allowed.open_gates(last_tokens, torch.tensor([1, 2, 3]))
+    gated.open_gates(last_tokens, torch.tensor([1, 2, 3]))
     logits = torch.randn(3, vocab)
-    allowed.apply(logits)
-    assert torch.isfinite(logits[1]).all()  # its token before was 5, not its gate 6
-    for row in (0, 2):
-        assert torch.isfinite(logits[row]).nonzero().flatten().tolist() == [1, 3]
-    with pytest.raises(ValueError, match="mask gates"):
-        allowed_tokens([7, 8], words[:2].tobytes(), samplers, vocab, uploader, [5])
+    gated.apply(logits)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [1, 3]
+    assert torch.isfinite(logits[1:]).all()  # seq 8's token before was 5, not its 6
+    with pytest.raises(ValueError, match="no grammar waiting"):
+        first_masks([9], samplers, uploader)
+    with pytest.raises(ValueError, match="samples no token"):
+        first_masks([4], samplers, uploader)

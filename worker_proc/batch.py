@@ -43,6 +43,8 @@ class SequenceState:
     num_tokens: int = -1  # -1: len(token_ids)
     serial: int = 0  # unique per admission: keys the sampler's per-batch cache
     penalty_row: int = -1  # its row of the penalty table (worker_proc/penalties.py), if any
+    # Its sleeping grammar's first mask ([words] int32, on the device), on the sampling rank.
+    first_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:

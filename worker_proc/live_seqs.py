@@ -34,6 +34,7 @@ class LiveSequences:
         num_kv_blocks: int,
         block_size: int,
         penalties: PenaltyTable | None = None,
+        samples: bool = True,
     ) -> None:
         self.slots = slots
         self.uploader = uploader
@@ -42,6 +43,8 @@ class LiveSequences:
         self.block_size = block_size
         # The rank that samples keeps each penalised sequence's token counts on the device.
         self.penalties = penalties
+        # The rank that samples keeps each sleeping grammar's first mask on the device.
+        self.samples = samples
         self.seqs: dict[int, SequenceState] = {}
         self._serials = itertools.count(1)
 
@@ -76,6 +79,11 @@ class LiveSequences:
         )
         if self.penalties is not None and has_penalties(new.sampling):
             seq.penalty_row = self.penalties.admit(token_ids, new.num_prompt_tokens)
+        if new.first_mask and self.samples:
+            words = np.frombuffer(new.first_mask, dtype="<i4")
+            if len(words) * 32 < vocab:
+                raise PlanError(f"sequence {new.seq_id}: a first mask of {len(words)} words")
+            (seq.first_mask,) = self.uploader.upload([words.astype(np.int32)], persistent=True)
 
     def drop(self, seq_id: int) -> None:
         """Forget a sequence; unknown ids are ignored (it may have failed to start)."""

@@ -20,7 +20,10 @@ before, which only the device knows yet.
 A request's ``allowed_token_ids`` keep those tokens' logits and set every other to -inf.
 
 A grammar's edit is dense: the scheduler sends, per constrained row, a bitmask of the tokens
-its grammar allows next (scheduler_proc/grammar.py); every other logit becomes -inf.
+its grammar allows next (scheduler_proc/grammar.py); every other logit becomes -inf
+(kernels/token_bitmask.py). A grammar that starts after a token (``</think>``) sends its
+first mask once, with its sequence, and a step that may follow that token applies it only
+if the row's token before is that one.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+import kernels
 from pegainfer.protocol import SamplingParams
 from worker_proc.upload import Uploader
 
@@ -245,24 +249,20 @@ class AllowedTokens:
     batch_rows: torch.Tensor  # [r] int64
     bitmask: torch.Tensor  # [r, words] int32: bit j of word i allows token 32 * i + j
     gate_tokens: torch.Tensor | None = None  # [r] int64
+    previous_tokens: torch.Tensor | None = None  # [r] int64, read by ``open_gates``
 
     def open_gates(self, last_tokens: torch.Tensor, sample_slot: torch.Tensor) -> None:
-        """Lift the mask of each gated row whose token before (``last_tokens`` at its slot,
-        ``sample_slot`` per sampling row) is not its gate, on the device: no sync."""
-        if self.gate_tokens is None:
-            return
-        previous = last_tokens.index_select(0, sample_slot.index_select(0, self.batch_rows))
-        shut = (self.gate_tokens >= 0) & (previous != self.gate_tokens)
-        self.bitmask = self.bitmask.masked_fill(shut.unsqueeze(1), -1)
+        """Read each gated row's token before (``last_tokens`` at its slot, ``sample_slot``
+        per sampling row), on the device (no sync): its mask holds only if that is its gate."""
+        if self.gate_tokens is not None:
+            slots = sample_slot.index_select(0, self.batch_rows)
+            self.previous_tokens = last_tokens.index_select(0, slots)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set the other tokens' logits of ``logits [N, vocab]`` (float32) to -inf, in place."""
-        vocab = logits.shape[1]
-        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        bits = (self.bitmask.unsqueeze(-1) >> shifts) & 1  # the sign bit shifts down too
-        allowed = bits.view(self.bitmask.shape[0], -1)[:, :vocab].bool()
-        rows = logits.index_select(0, self.batch_rows)
-        logits.index_copy_(0, self.batch_rows, rows.masked_fill_(~allowed, float("-inf")))
+        kernels.apply_token_bitmask(
+            logits, self.batch_rows, self.bitmask, self.gate_tokens, self.previous_tokens
+        )
 
 
 def allowed_tokens(
@@ -271,7 +271,6 @@ def allowed_tokens(
     samplers: Sequence[HasSeqId],
     vocab_size: int,
     uploader: Uploader,
-    mask_gates: Sequence[int] = (),
 ) -> AllowedTokens | None:
     """The step's grammar masks, for the sampling rows ``samplers``, or None."""
     if not masked_seq_ids:
@@ -286,10 +285,38 @@ def allowed_tokens(
         raise ValueError(
             f"a token bitmask of {len(words)} words for {len(rows)} rows of {vocab_size} tokens"
         )
-    if len(mask_gates) not in (0, len(rows)):
-        raise ValueError(f"{len(mask_gates)} mask gates for {len(rows)} masked rows")
     arrays = [np.asarray(rows, dtype=np.int64), words.astype(np.int32).reshape(len(rows), -1)]
-    if len(mask_gates):
-        arrays.append(np.asarray(mask_gates, dtype=np.int64))
-    batch_rows, bitmask, *gates = uploader.upload(arrays)
-    return AllowedTokens(batch_rows, bitmask, gates[0] if gates else None)
+    batch_rows, bitmask = uploader.upload(arrays)
+    return AllowedTokens(batch_rows, bitmask)
+
+
+class HasFirstMask(Protocol):
+    """What ``first_masks`` reads of a sequence (worker_proc/batch.py's SequenceState)."""
+
+    seq_id: int
+    sampling: SamplingParams
+    first_mask: torch.Tensor | None
+
+
+def first_masks(
+    gated_seq_ids: Sequence[int], samplers: Sequence[HasFirstMask], uploader: Uploader
+) -> AllowedTokens:
+    """The first masks of the step's rows whose grammar may wake (``StepPlan.gated_seq_ids``),
+    each gated on the token that wakes it; the masks came once, with the sequences."""
+    row_of = {seq.seq_id: i for i, seq in enumerate(samplers)}
+    rows, masks, gates = [], [], []
+    for seq_id in gated_seq_ids:
+        row = row_of.get(seq_id)
+        if row is None:
+            raise ValueError(f"a gated mask for seq {seq_id}, which samples no token")
+        seq = samplers[row]
+        structured = seq.sampling.structured
+        if seq.first_mask is None or structured is None or structured.after_token_id < 0:
+            raise ValueError(f"seq {seq_id} has no grammar waiting for a token")
+        rows.append(row)
+        masks.append(seq.first_mask)
+        gates.append(structured.after_token_id)
+    batch_rows, gate_tokens = uploader.upload(
+        [np.asarray(rows, dtype=np.int64), np.asarray(gates, dtype=np.int64)]
+    )
+    return AllowedTokens(batch_rows, torch.stack(masks), gate_tokens)

@@ -159,6 +159,7 @@ class ModelRunner(StepDraw):
             self.num_kv_blocks,
             self.block_size,
             self.penalties,
+            samples=rank == 0,
         )
         self.seqs = self.live.seqs  # seq_id -> SequenceState
         self.sampler = Sampler(self.device, config.seed, self.uploader)
@@ -328,13 +329,8 @@ class ModelRunner(StepDraw):
             logits = self.model.compute_logits(hidden.index_select(0, sample_index))
 
         samplers = [seqs[row] for row in layout.sample_rows]
-        bans = (
-            (plan.ban_seq_ids, plan.ban_token_ids, plan.ban_gates)
-            if plan is not None and plan.ban_seq_ids
-            else None
-        )
         sample = functools.partial(
-            self._sample, step_id, logits, greedy_tokens, samplers, sample_pos, sample_slot, bans
+            self._sample, step_id, logits, greedy_tokens, samplers, sample_pos, sample_slot, plan
         )
         if plan is not None and plan.masks_follow and self.rank == 0:
             # The forward pass is queued; the draw waits for the step's grammar masks.
@@ -343,7 +339,7 @@ class ModelRunner(StepDraw):
         if plan is None:
             sample(b"", b"")
         else:
-            sample(plan.masked_seq_ids, plan.token_bitmask, plan.mask_gates)
+            sample(plan.masked_seq_ids, plan.token_bitmask)
 
     def has_pending(self) -> bool:
         return (

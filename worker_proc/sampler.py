@@ -310,6 +310,7 @@ class Sampler:
         stop_mask: TokenEdits | None = None,
         allowed: AllowedTokens | None = None,
         bans: GatedBans | None = None,
+        gated: AllowedTokens | None = None,
     ) -> torch.Tensor:
         """``logits [N, vocab]`` (the model's dtype or float32) -> token ids ``[N]`` int64
         on the device. Greedy rows take the argmax of the logits as they are (a float32 copy
@@ -323,9 +324,11 @@ class Sampler:
         ``stop_mask``: this step's ``min_tokens`` mask (worker_proc/logit_edits.py); it and
         the rows' ``logit_bias`` edit a float32 copy of the logits, before the penalties.
         ``allowed``: the grammar masks of rows with structured output, applied last.
-        ``bans``: the step's bans of longer bad words, gates decided (``open_gates``).
+        ``bans``: the step's bans of longer bad words, gates decided (``open_gates``);
+        ``gated``: the first masks of grammars that may wake this step, gates decided.
         """
-        edits = [e for e in (batch.bias, bans, batch.keep, stop_mask, allowed) if e is not None]
+        edits = (batch.bias, bans, batch.keep, stop_mask, allowed, gated)
+        edits = [edit for edit in edits if edit is not None]
         if edits:
             logits = logits.to(torch.float32, copy=True)
             for edit in edits:

@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from pegainfer.protocol import StepMasks, unpack_ids
+from pegainfer.protocol import StepMasks, StepPlan, unpack_ids
 from worker_proc.batch import SequenceState
 from worker_proc.live_seqs import PlanError
-from worker_proc.logit_edits import StopMasks, allowed_tokens, gated_bans
+from worker_proc.logit_edits import StopMasks, allowed_tokens, first_masks, gated_bans
 from worker_proc.logprobs import LogprobsCollector
 from worker_proc.model_config import ModelConfig
 from worker_proc.parallel_state import broadcast_from_rank0
@@ -65,37 +65,32 @@ class StepDraw:
         samplers: list[SequenceState],
         sample_pos: torch.Tensor,
         sample_slot: torch.Tensor,
-        bans: tuple[bytes, bytes, bytes] | None,
+        plan: StepPlan | None,
         masked_seq_ids: bytes,
         token_bitmask: bytes,
-        mask_gates: bytes = b"",
     ) -> None:
         """Draw the step's tokens, and queue them for the host and the next step's inputs.
-        ``bans``: the plan's ``ban_seq_ids``, ``ban_token_ids`` and ``ban_gates``."""
+        ``plan`` brings the step's bad-word bans and the rows whose grammar may wake."""
         batch = self._sampling_batch(samplers)
         if self.rank == 0:
-            banned = (
-                gated_bans(*(unpack_ids(b) for b in bans), samplers, self.uploader)
-                if bans is not None
-                else None
-            )
+            vocab_size = logits.shape[1]
             allowed = (
                 allowed_tokens(
-                    unpack_ids(masked_seq_ids),
-                    token_bitmask,
-                    samplers,
-                    logits.shape[1],
-                    self.uploader,
-                    unpack_ids(mask_gates),
+                    unpack_ids(masked_seq_ids), token_bitmask, samplers, vocab_size, self.uploader
                 )
                 if masked_seq_ids
                 else None
             )
+            gated = banned = None
+            if plan is not None and plan.gated_seq_ids:
+                gated = first_masks(unpack_ids(plan.gated_seq_ids), samplers, self.uploader)
+            if plan is not None and plan.ban_seq_ids:
+                fields = (plan.ban_seq_ids, plan.ban_token_ids, plan.ban_gates)
+                banned = gated_bans(*(unpack_ids(f) for f in fields), samplers, self.uploader)
             # Before this step's tokens overwrite the last tokens the gates compare.
-            if allowed is not None:
-                allowed.open_gates(self.slots.last_token, sample_slot)
-            if banned is not None:
-                banned.open_gates(self.slots.last_token, sample_slot)
+            for edit in (gated, banned):
+                if edit is not None:
+                    edit.open_gates(self.slots.last_token, sample_slot)
             tokens = self.sampler.sample(
                 logits,
                 batch,
@@ -105,6 +100,7 @@ class StepDraw:
                 stop_mask=self.stop_masks.for_step(),
                 allowed=allowed,
                 bans=banned,
+                gated=gated,
             )
         else:  # rank 0's tokens are the tokens; the others receive them (parallel_state)
             tokens = torch.empty(len(samplers), dtype=torch.int64, device=self.device)

@@ -1,0 +1,63 @@
+"""The grammar-mask kernel against its reference: random masks over a subset of the rows,
+gated rows whose gate is open or shut, vocabularies that end inside a word, and masks
+wider than the vocabulary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_test_util import CUDA, DEVICE, SEED, gen, randn, requires_triton
+
+from kernels.token_bitmask import apply_token_bitmask_ref, apply_token_bitmask_triton
+
+pytestmark = requires_triton
+
+# Small blocks on the CPU interpreter, so that a short row still spans several programs.
+BLOCK = 4096 if CUDA else 64
+
+
+def random_masks(rows: int, words: int, g: torch.Generator) -> torch.Tensor:
+    bits = torch.randint(-(2**31), 2**31, (rows, words), generator=g, dtype=torch.int64)
+    masks = bits.to(torch.int32)
+    masks[0, :] = -1  # a row that allows every token
+    if rows > 1:
+        masks[1, :] = 0  # and one that allows none
+        masks[1, 0] = 1 << 3  # but token 3
+    return masks.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "vocab, extra_words", [(50, 0), (1000, 1), (64 * 5 + 7, 2)] + ([(151936, 0)] if CUDA else [])
+)
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_kernel_writes_what_the_reference_writes(dtype, vocab, extra_words, gated):
+    g = gen(11)
+    num_rows = 9
+    logits = randn(num_rows, vocab, g=g, dtype=dtype)
+    batch_rows = torch.tensor([7, 0, 3, 5, 8], device=DEVICE)
+    words = (vocab + 31) // 32 + extra_words
+    masks = random_masks(len(batch_rows), words, g)
+    gates = previous = None
+    if gated:
+        # Row 0: no gate; 1 and 3: open (previous == gate); 2 and 4: shut.
+        gates = torch.tensor([-1, 17, 4, 9, 0], device=DEVICE)
+        previous = torch.tensor([5, 17, 5, 9, 1], device=DEVICE)
+    expected = logits.clone()
+    apply_token_bitmask_ref(expected, batch_rows, masks, gates, previous)
+    apply_token_bitmask_triton(logits, batch_rows, masks, gates, previous, block=BLOCK)
+    assert torch.equal(logits, expected), f"seed {SEED}"
+    assert not logits.isnan().any()
+    # Rows outside the masks are untouched, as are the one that allows all (7) and those
+    # whose gate is shut; row 0 keeps token 3 alone.
+    untouched = [1, 2, 4, 6, 7] + ([3, 8] if gated else [])
+    assert torch.isfinite(logits[untouched]).all()
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [3]
+
+
+def test_no_masked_rows_is_nothing_to_do():
+    logits = randn(3, 100, g=gen(12), dtype=torch.float32)
+    before = logits.clone()
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    apply_token_bitmask_triton(logits, empty, torch.empty(0, 4, dtype=torch.int32, device=DEVICE))
+    assert torch.equal(logits, before)
