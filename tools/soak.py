@@ -97,6 +97,15 @@ CONSTRAINTS = (
     {"response_format": {"type": "json_object"}},
     {"guided_regex": "[0-9"},
 )
+# vLLM's extensions: each keeps per-request state somewhere (the worker's edits, the
+# scheduler's bans, the prefix cache's salted roots).
+EXTENSIONS = (
+    {"allowed_token_ids": list(range(100, 600))},
+    {"bad_words": ["the", "and then", "of the"]},
+    {"cache_salt": "tenant-a"},
+    {"cache_salt": "tenant-b"},
+    {"truncate_prompt_tokens": 4},
+)
 
 
 def _request_body(rng: random.Random) -> tuple[str, dict]:
@@ -122,6 +131,8 @@ def _request_body(rng: random.Random) -> tuple[str, dict]:
         common["seed"] = rng.randrange(2**31)
     if rng.random() < 0.08:
         common.update(rng.choice(CONSTRAINTS))
+    if rng.random() < 0.1:
+        common.update(rng.choice(EXTENSIONS))
     if stream and rng.random() < 0.5:
         common["stream_options"] = {"include_usage": True}
     if rng.random() < 0.5:
