@@ -6,7 +6,11 @@ A request names it in one of these ways (as OpenAI and vLLM accept them), on eit
   "json_schema", "json_schema": {"name": ..., "schema": {...}}}``; ``{"type": "text"}`` is
   no constraint;
 - ``structured_outputs``: an object with one of ``json`` (a schema), ``json_object``
-  (true), ``regex``, ``choice`` (a list of strings) or ``grammar`` (EBNF);
+  (true), ``regex``, ``choice`` (a list of strings) or ``grammar`` (EBNF), and vLLM's
+  options: ``disable_any_whitespace`` (JSON with no whitespace but the separators'
+  single spaces), and ``disable_additional_properties`` and ``disable_fallback``, which
+  change nothing (a schema's objects never take properties it does not name; there is one
+  backend);
 - the older fields ``guided_json``, ``guided_regex``, ``guided_choice`` and
   ``guided_grammar``.
 
@@ -30,6 +34,9 @@ LEGACY_FIELDS = {
 }
 STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", *LEGACY_FIELDS})
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Options of structured_outputs accepted as they change nothing here: a schema's objects
+# never take properties it does not name, and there is one backend.
+_NO_EFFECT = ("disable_additional_properties", "disable_fallback")
 
 
 def parse_structured_output(body: dict[str, Any]) -> StructuredOutput | None:
@@ -80,14 +87,20 @@ def _structured_outputs(value: Any) -> StructuredOutput | None:
     if not isinstance(value, dict):
         raise invalid("'structured_outputs' must be an object", param)
     given = [kind for kind in _KINDS if value.get(kind) not in (None, False)]
-    unknown = [key for key, v in value.items() if key not in _KINDS and v not in (None, False)]
+    options = (*_KINDS, *_NO_EFFECT, "disable_any_whitespace")
+    unknown = [key for key, v in value.items() if key not in options and v not in (None, False)]
     if unknown:
         raise invalid(f"'structured_outputs.{unknown[0]}' is not supported", param)
     if len(given) > 1:
         raise invalid(f"'structured_outputs' may set one of {', '.join(_KINDS)}", param)
     if not given:
         return None
-    return _constraint(given[0], value[given[0]], param)
+    constraint = _constraint(given[0], value[given[0]], param)
+    compact = value.get("disable_any_whitespace")
+    if compact not in (None, True, False):
+        raise invalid("'structured_outputs.disable_any_whitespace' must be a boolean", param)
+    constraint.compact_json = bool(compact) and constraint.kind in ("json", "json_object")
+    return constraint
 
 
 def _constraint(kind: str, value: Any, param: str) -> StructuredOutput:

@@ -113,6 +113,8 @@ class StructuredOutput:
     kind: str
     spec: str = ""
     after_token_id: int = -1
+    # JSON without whitespace between its tokens (vLLM's disable_any_whitespace).
+    compact_json: bool = False
 
 
 @dataclass

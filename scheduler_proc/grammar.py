@@ -70,18 +70,19 @@ class GrammarCompiler:
     def compile(self, structured: StructuredOutput) -> Any:
         compiler = self._backend()
         kind, spec = structured.kind, structured.spec
+        # Compact JSON: the separators' single spaces, none elsewhere.
+        whitespace = (
+            {"any_whitespace": False}
+            if structured.compact_json
+            else {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+        )
         try:
             if kind == "json":
-                return compiler.compile_json_schema(
-                    spec, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE
-                )
+                return compiler.compile_json_schema(spec, **whitespace)
             if kind == "json_object":
                 # Any object: strict mode would close objects without properties to "{}".
                 return compiler.compile_json_schema(
-                    '{"type": "object"}',
-                    any_whitespace=True,
-                    max_whitespace_cnt=MAX_JSON_WHITESPACE,
-                    strict_mode=False,
+                    '{"type": "object"}', strict_mode=False, **whitespace
                 )
             if kind == "regex":
                 return compiler.compile_regex(spec)

@@ -62,6 +62,11 @@ SCHEMA = {
         ({"guided_choice": ["a"]}, StructuredOutput("choice", '["a"]')),
         ({"guided_json": SCHEMA}, StructuredOutput("json", json.dumps(SCHEMA))),
         ({"guided_grammar": 'root ::= "b"'}, StructuredOutput("grammar", 'root ::= "b"')),
+        # vLLM's options: compact JSON; two that change nothing here.
+        ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+         StructuredOutput("json_object", compact_json=True)),
+        ({"structured_outputs": {"regex": "a+", "disable_any_whitespace": True, "disable_fallback": True,
+                                 "disable_additional_properties": False}}, StructuredOutput("regex", "a+")),
     ],
 )  # fmt: skip
 def test_each_way_of_asking_gives_its_constraint(body, expected) -> None:
@@ -386,3 +391,23 @@ def test_an_abort_while_compiling_forgets_the_request(qwen3_config) -> None:
     assert scheduler.num_compiling == 0 and not scheduler.has_work()
     assert scheduler.constrained.num_live == 0
     assert scheduler.schedule() is None
+
+
+def test_compact_json_allows_no_whitespace_but_the_separators(qwen3_config, tokenizer) -> None:
+    from scheduler_proc.grammar import BitmaskBuffer, GrammarCompiler, RequestGrammar
+
+    model = qwen3_config.model
+    compiler = GrammarCompiler(qwen3_config.model_path, model.vocab_size, model.eos_token_ids)
+    buffer = BitmaskBuffer(compiler.bitmask_words())
+    newline, space = tokenizer.token_to_id("\u010a"), tokenizer.token_to_id("\u0120")
+    allowed = {}
+    for compact in (False, True):
+        grammar = RequestGrammar(
+            compiler.compile(StructuredOutput("json", json.dumps(SCHEMA), compact_json=compact))
+        )
+        assert grammar.accept(90)  # '{'
+        words = np.frombuffer(buffer.pack([grammar]), dtype="<i4")
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+        allowed[compact] = {newline: bool(bits[newline]), space: bool(bits[space])}
+    assert allowed[False] == {newline: True, space: True}
+    assert allowed[True] == {newline: False, space: False}
