@@ -35,11 +35,15 @@ def apply_token_bitmask_ref(
     vocab = logits.shape[1]
     if gate_tokens is not None:
         assert previous_tokens is not None
-        shut = (gate_tokens >= 0) & (previous_tokens != gate_tokens)
-        bitmask = bitmask.masked_fill(shut.unsqueeze(1), -1)
+        # The rows whose gate is open (a boolean index: free on the CPU, where this runs).
+        holds = (gate_tokens < 0) | (previous_tokens == gate_tokens)
+        batch_rows, bitmask = batch_rows[holds], bitmask[holds]
+    num_rows, num_words = bitmask.shape
+    if num_rows == 0:
+        return
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # the sign bit shifts down too
-    allowed = bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+    allowed = bits.view(num_rows, num_words * 32)[:, :vocab].bool()
     rows = logits.index_select(0, batch_rows)
     logits.index_copy_(0, batch_rows, rows.masked_fill_(~allowed, float("-inf")))
 

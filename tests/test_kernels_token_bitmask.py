@@ -55,9 +55,14 @@ def test_the_kernel_writes_what_the_reference_writes(dtype, vocab, extra_words, 
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [3]
 
 
-def test_no_masked_rows_is_nothing_to_do():
+@pytest.mark.parametrize("apply", [apply_token_bitmask_ref, apply_token_bitmask_triton])
+def test_no_masked_rows_or_every_gate_shut_is_nothing_to_do(apply):
     logits = randn(3, 100, g=gen(12), dtype=torch.float32)
     before = logits.clone()
     empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
-    apply_token_bitmask_triton(logits, empty, torch.empty(0, 4, dtype=torch.int32, device=DEVICE))
+    apply(logits, empty, torch.empty(0, 4, dtype=torch.int32, device=DEVICE))
+    rows = torch.tensor([0, 2], device=DEVICE)
+    masks = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)  # nothing allowed
+    gates = torch.tensor([7, 8], device=DEVICE)
+    apply(logits, rows, masks, gates, torch.tensor([1, 1], device=DEVICE))  # both shut
     assert torch.equal(logits, before)
