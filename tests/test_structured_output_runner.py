@@ -49,6 +49,12 @@ def requests() -> list[tuple[str, list[int], SamplingParams]]:
             temperature=0.0, max_tokens=120, logit_bias_ids=[THINK_END], logit_bias_values=[100.0],
             structured=StructuredOutput("json", json.dumps(SCHEMA), after_token_id=THINK_END),
         )),
+        # Never draws </think>: every gate of its steps stays shut, and it runs free.
+        ("asleep", PROMPT[1:], SamplingParams(
+            temperature=0.0, max_tokens=30, ignore_eos=True, logit_bias_ids=[THINK_END],
+            logit_bias_values=[-100.0],
+            structured=StructuredOutput("json", json.dumps(SCHEMA), after_token_id=THINK_END),
+        )),
     ]  # fmt: skip
 
 
@@ -93,8 +99,16 @@ def test_masks_that_follow_give_the_tokens_of_one_step_in_flight(tiny_qwen3_dir,
     assert deferred_one == 0 and deferred_two > 5
     assert two == one and finish_two == finish_one
     # Without other constrained rows, whose masks follow, the reasoned row's are gated.
-    reasoned, _, _, gated = serve(runner, 2, only=("free", "reasoned"))
-    assert gated >= 1 and reasoned == {k: one[k] for k in ("free", "reasoned")}
+    names = ("free", "reasoned", "asleep")
+    reasoned, _, _, gated = serve(runner, 2, only=names)
+    assert gated >= 10 and reasoned == {k: one[k] for k in names}
+    # A grammar that never wakes changes nothing: the tokens of the same request without it.
+    (_, prompt, sampling) = next(r for r in requests() if r[0] == "asleep")
+    sampling.structured = None
+    plain, _, _ = drive(
+        runner, [("asleep", prompt, sampling)], 2, max_model_len=256, num_kv_blocks=400
+    )
+    assert plain["asleep"] == one["asleep"] and len(plain["asleep"]) == 30
     assert one["reasoned"][0] == THINK_END
     for name in ("json", "sampled", "reasoned"):
         assert finish_one[name] == "stop"
