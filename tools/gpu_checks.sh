@@ -54,7 +54,8 @@ tests)
     tests/test_overlap.py tests/test_sampler.py tests/test_worker_logprobs.py \
     tests/test_step_profile.py tests/test_prefill_profile.py tests/test_pdl.py \
     tests/test_compile_watch.py tests/test_warm_up.py tests/test_logit_edits.py \
-    tests/test_min_tokens.py
+    tests/test_min_tokens.py tests/test_kernels_token_bitmask.py tests/test_token_masks.py \
+    tests/test_bad_words.py tests/test_engine_extras.py tests/test_structured_output_runner.py
   ;;
 bench)
   need_checkpoint
