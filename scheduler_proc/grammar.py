@@ -213,7 +213,8 @@ class RequestGrammar:
 
     def first_mask(self, buffer: BitmaskBuffer) -> bytes:
         """The bitmask of the grammar's first token (packed as ``BitmaskBuffer.pack``), made
-        once: a sleeping grammar sends it with every step that may wake it."""
+        once: a sleeping grammar sends it with each new sequence of its request (the first,
+        and one after each preemption)."""
         if self._first_mask is None:
             assert self.asleep, "only a sleeping grammar is still at its start"
             self._first_mask = buffer.pack([self])
