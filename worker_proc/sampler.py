@@ -4,8 +4,9 @@ Per row: ``logit_bias`` (one-token bad words among it), the step's bans of longe
 words, ``allowed_token_ids``, the ``min_tokens`` mask and the grammar masks first
 (worker_proc/logit_edits.py), then repetition, presence and frequency penalties (from token
 counts kept on the device, worker_proc/penalties.py); all apply to greedy rows too. Then
-temperature below ``GREEDY_TEMPERATURE`` means greedy argmax; otherwise the logits are scaled by the inverse temperature, filtered by top-k, top-p and min-p (in that order,
-each on what the previous one left), and one token is drawn.
+temperature below ``GREEDY_TEMPERATURE`` means greedy argmax; otherwise the logits are
+scaled by the inverse temperature, filtered by top-k, top-p and min-p (in that order, each on
+what the previous one left), and one token is drawn.
 
 Per-row settings become device tensors once per batch composition (``prepare``), not once
 per step: a decode batch keeps its composition for many steps. ``sample`` then issues only
