@@ -8,6 +8,7 @@ import dataclasses
 import logging
 from typing import Any
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from frontend_proc.chat_template import ChatTemplate
@@ -95,13 +96,28 @@ class Preprocessor:
                 request.continue_final_message,
             )
             # The template already wrote every special token the model expects.
-            return pack_ids(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            return self.in_vocabulary(pack_ids(ids), "messages")
         if request.prompt_token_ids is not None:
             return self.checked_packed_ids(request.prompt_token_ids)
         if request.prompt is not None:
             # As HF's tokenizer(prompt) does: the post-processor adds BOS where the model wants it.
-            return pack_ids(self.tokenizer.encode(request.prompt, add_special_tokens=True).ids)
+            ids = self.tokenizer.encode(request.prompt, add_special_tokens=True).ids
+            return self.in_vocabulary(pack_ids(ids), "prompt")
         raise invalid("the request has neither a prompt nor messages", "prompt")
+
+    def in_vocabulary(self, packed: bytes, param: str) -> bytes:
+        """Tokenized text, checked against the model's vocabulary: a tokenizer with more
+        tokens than the model's embedding (a checkpoint whose two disagree) must cost the
+        request, not the worker."""
+        if packed and int(np.frombuffer(packed, dtype="<i4").max()) >= self.vocab_size:
+            largest = int(np.frombuffer(packed, dtype="<i4").max())
+            raise invalid(
+                f"the {param} tokenize to token id {largest}, outside the model's "
+                f"vocabulary of {self.vocab_size}: its tokenizer and its weights disagree",
+                param,
+            )
+        return packed
 
     def checked_packed_ids(self, packed: bytes) -> bytes:
         """Client-given ids, passed on as they came once each is known to name a token."""

@@ -151,6 +151,33 @@ def test_bench_serving_poisson(micro_server, micro_dir, tmp_path, capsys):
     assert payload["roofline"]["step_ms"] > 0 and payload["roofline"]["batch"] >= 1
 
 
+def test_bench_serving_chat_turns_with_a_constraint(tiny_qwen3_dir, tmp_path, capsys, monkeypatch):
+    # The tiny Qwen3: the micro one's vocabulary stops short of the chat template's tokens.
+    for name, value in CPU_ENV.items():
+        monkeypatch.setenv(name, value)
+    stdout = run_serving(
+        capsys,
+        "--launch",
+        "--model-path", tiny_qwen3_dir,
+        "--server-args", " ".join(CPU_SERVER),
+        "--num-prompts", "4",
+        "--concurrency", "2",
+        "--input-len", "10",
+        "--output-len", "5",
+        "--roofline-device", "none",
+        "--endpoint", "chat",
+        "--structured", "json",
+        "--chat-template-kwargs", '{"enable_thinking": false}',
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    payload = outputs(tmp_path, "serving")
+    assert "json constraint, chat" in stdout
+    summary = payload["summary"]
+    assert summary["completed"] == 4 and summary["failed"] == 0
+    # The prompt lengths come from the usage: the text and the chat template's tokens.
+    assert all(r["prompt_len"] > 10 for r in payload["requests"])
+
+
 def test_bench_serving_launches_its_server_and_bounds_concurrency(
     micro_dir, tmp_path, capsys, monkeypatch
 ):

@@ -106,6 +106,16 @@ def test_out_of_vocabulary_ids_are_rejected(preprocessor, bad_id):
     assert str(bad_id) in outcome.message
 
 
+def test_text_that_tokenizes_past_the_models_vocabulary_is_rejected(tmp_path):
+    # A tokenizer with more tokens than the model's embedding: a 400, not a worker failure.
+    small = Preprocessor(tiny_tokenizer(), ChatTemplate.load(write_model_dir(tmp_path)), 16, 5)
+    outcome = handle(small, request(prompt="hello world"))
+    assert isinstance(outcome, RequestRejected) and outcome.param == "prompt"
+    assert "outside the model's vocabulary of 5" in outcome.message
+    outcome = handle(small, request(messages=[{"role": "user", "content": "the cat"}]))
+    assert isinstance(outcome, RequestRejected) and outcome.param == "messages"
+
+
 def test_out_of_vocabulary_stop_token_ids_are_rejected(preprocessor):
     sampling = SamplingParams(max_tokens=2, stop_token_ids=[3, 99])
     outcome = handle(preprocessor, request(prompt="hello", sampling=sampling))

@@ -1,7 +1,9 @@
-"""A streaming OpenAI /v1/completions client for the benchmarks, and the metrics of a load run.
+"""A streaming OpenAI client for the benchmarks, and the metrics of a load run.
 
-Every request is streamed (SSE) with token-id prompts, so that the prompt length is exact and
-no tokenizer is needed on the client. Times come from ``time.perf_counter`` on arrival of each
+Every request is streamed (SSE). On /v1/completions the prompts are token ids, so that the
+prompt length is exact and no tokenizer is needed on the client; on /v1/chat/completions a
+prompt is one user message of text (its length is the usage's ``prompt_tokens``), and the
+reasoning a model writes counts as text. Times come from ``time.perf_counter`` on arrival of each
 chunk that carries text:
 
 - TTFT: request sent to first text chunk.
@@ -102,14 +104,16 @@ async def stream_completion(
     session: aiohttp.ClientSession,
     base_url: str,
     model: str,
-    prompt: list[int],
+    prompt: list[int] | str,
     max_tokens: int,
     ignore_eos: bool = True,
     extra: dict[str, Any] | None = None,
 ) -> RequestResult:
+    """One streamed request: a completion of token ids, or a chat turn of text."""
+    chat = isinstance(prompt, str)
     body = {
         "model": model,
-        "prompt": prompt,
+        **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}),
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": ignore_eos,
@@ -119,13 +123,14 @@ async def stream_completion(
     }
     # A field set to None is left out: the server's default applies.
     body = {name: value for name, value in body.items() if value is not None}
-    result = RequestResult(ok=False, prompt_len=len(prompt))
+    result = RequestResult(ok=False, prompt_len=0 if chat else len(prompt))
     result.start = time.perf_counter()
     last = result.start
     chunks = 0
     usage_tokens: int | None = None
     try:
-        async with session.post(base_url.rstrip("/") + "/v1/completions", json=body) as resp:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        async with session.post(base_url.rstrip("/") + path, json=body) as resp:
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return result
@@ -142,7 +147,7 @@ async def stream_completion(
                     return result
                 now = time.perf_counter()
                 choices = chunk.get("choices") or []
-                if choices and choices[0].get("text"):
+                if choices and _has_text(choices[0]):
                     if chunks == 0:
                         result.ttft = now - result.start
                     else:
@@ -151,6 +156,8 @@ async def stream_completion(
                     chunks += 1
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
+                    if chat:
+                        result.prompt_len = chunk["usage"].get("prompt_tokens", 0)
         result.latency = time.perf_counter() - result.start
         result.output_tokens = usage_tokens if usage_tokens is not None else chunks
         result.ok = True
@@ -159,10 +166,17 @@ async def stream_completion(
     return result
 
 
+def _has_text(choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta")
+    if delta is None:
+        return bool(choice.get("text"))
+    return bool(delta.get("content") or delta.get("reasoning_content"))
+
+
 async def run_load(
     base_url: str,
     model: str,
-    prompts: Sequence[list[int]],
+    prompts: Sequence[list[int] | str],
     output_lens: Sequence[int],
     request_rate: float = math.inf,
     concurrency: int | None = None,
@@ -184,7 +198,7 @@ async def run_load(
     results: list[RequestResult] = []
 
     async def one(
-        session: aiohttp.ClientSession, prompt: list[int], max_tokens: int, extra: Any
+        session: aiohttp.ClientSession, prompt: list[int] | str, max_tokens: int, extra: Any
     ) -> None:
         if limit is not None:
             async with limit:

@@ -23,6 +23,7 @@ JSON's ``results`` hold a row per latency for ``bench_ab --key metric --metric m
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shlex
@@ -122,6 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(STRUCTURED),
         default="none",
         help="constrain every answer: json (a JSON schema), regex, or none",
+    )
+    p.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="completions of token ids, or chat turns of the same prompts as text (decoded "
+        "with the checkpoint's tokenizer.json; a reasoning model thinks, and its reasoning "
+        "counts as output)",
+    )
+    p.add_argument(
+        "--chat-template-kwargs",
+        type=json.loads,
+        default=None,
+        help="with --endpoint chat, e.g. '{\"enable_thinking\": false}'",
     )
     p.add_argument("--model-path", default=None, help="checkpoint dir, for the roofline")
     p.add_argument(
@@ -268,6 +283,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return run_benchmark(args, server.base_url, args.model or model, root, measured, argv)
 
 
+def chat_prompts(prompts: list[list[int]], model_path: str | None) -> list[str]:
+    """The token-id prompts as text, for chat turns."""
+    if not model_path or not os.path.isfile(os.path.join(model_path, "tokenizer.json")):
+        raise SystemExit("--endpoint chat needs the checkpoint's tokenizer.json (--model-path)")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(os.path.join(model_path, "tokenizer.json"))
+    return tokenizer.decode_batch(prompts)
+
+
 def run_benchmark(
     args: argparse.Namespace,
     url: str,
@@ -281,7 +306,12 @@ def run_benchmark(
         args.num_prompts, args.output_len, args.output_len_range, args.seed + 1
     )
     vocab = clamp_vocab_range(args.vocab_range, args.model_path or root)
-    prompts = random_token_prompts(input_lens, vocab, args.seed)
+    prompts: list = random_token_prompts(input_lens, vocab, args.seed)
+    if args.endpoint == "chat":
+        prompts = chat_prompts(prompts, args.model_path or root)
+    sampling = request_sampling(args.sampling, args.structured)
+    if args.chat_template_kwargs is not None:
+        sampling = [{**s, "chat_template_kwargs": args.chat_template_kwargs} for s in sampling]
 
     async def go() -> tuple[list, float]:
         if args.warmup:
@@ -306,7 +336,7 @@ def run_benchmark(
                 max_duration=args.max_duration,
                 request_timeout=args.request_timeout,
                 on_done=lambda _: bar.update(1),
-                sampling=request_sampling(args.sampling, args.structured),
+                sampling=sampling,
             )
         finally:
             bar.close()
@@ -320,6 +350,7 @@ def run_benchmark(
         f"±{args.output_len_range:g}, rate {fmt(args.request_rate)}, concurrency "
         f"{args.concurrency or 'unbounded'}, {args.sampling} sampling"
         + ("" if args.structured == "none" else f", {args.structured} constraint")
+        + (", chat" if args.endpoint == "chat" else "")
     )
     text = report(summary, roof)
     payload = {
