@@ -87,6 +87,35 @@ def _sampled_and_echoed(server: Server) -> tuple[list[int], list[float]]:
     return sampled, body["choices"][0]["logprobs"]["token_logprobs"]
 
 
+def _constrained(server: Server) -> list:
+    """What only the sampling rank's edits decide: a JSON answer after a think block (the
+    grammar's first mask, held by rank 0 alone), a regex, and bad words."""
+    status, chat = server.post(
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": "A JSON object, please."},
+                {"role": "assistant", "content": "<think>\nLet me see"},
+            ],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "max_tokens": 40,
+            "temperature": 0,
+            "logit_bias": {"151668": 100},  # </think> first: the grammar wakes at once
+            "response_format": {"type": "json_object"},
+        },
+    )
+    assert status == 200, chat
+    message = chat["choices"][0]["message"]
+    answers = [message["reasoning_content"], message["content"]]
+    for extra in ({"guided_regex": "[a-z]{3,8}( [a-z]{3,8}){2}"}, {"bad_words": [" the", " a"]}):
+        body = {"prompt": PROMPTS[1], "max_tokens": NUM_TOKENS, "temperature": 0, **extra}
+        status, out = server.post("/v1/completions", {**body, "return_token_ids": True})
+        assert status == 200, out
+        answers.append(out["choices"][0]["token_ids"])
+    return answers
+
+
 def _serve_and_generate(
     model_dir: str, log_path, *extra: str, num_tokens: int = NUM_TOKENS, more: bool = False
 ) -> dict:
@@ -95,6 +124,7 @@ def _serve_and_generate(
         outputs = {"greedy": _generate(server, num_tokens)}
         if more:
             outputs["sampled"], outputs["echo_logprobs"] = _sampled_and_echoed(server)
+            outputs["constrained"] = _constrained(server)
     finally:
         assert server.stop() == 0, server.log()[-3000:]
     assert server.leftovers() == []
@@ -136,6 +166,8 @@ def test_tiny_qwen3_tp2_matches_tp1_and_transformers(tiny_qwen3_dir, qwen3_tp1, 
     assert tp2["greedy"] == qwen3_tp1["greedy"]
     assert tp2["greedy"] == _hf_greedy(tiny_qwen3_dir)
     assert len(tp2["sampled"]) == NUM_TOKENS and tp2["sampled"] == qwen3_tp1["sampled"]
+    assert tp2["constrained"] == qwen3_tp1["constrained"]
+    assert tp2["constrained"][0] == "" and tp2["constrained"][1].startswith("{")
     echo1, echo2 = qwen3_tp1["echo_logprobs"], tp2["echo_logprobs"]
     assert echo2[0] is None and len(echo2) == len(echo1) > 3
     assert echo2[1:] == pytest.approx(echo1[1:], abs=1e-3)
