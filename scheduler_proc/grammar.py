@@ -28,6 +28,7 @@ from typing import Any
 from pegainfer.gc_control import GC_FREEZE_ENV
 from pegainfer.process import release_free_heap
 from pegainfer.protocol import StructuredOutput
+from scheduler_proc.regex_unroll import unroll_regex, unroll_schema_patterns
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +79,14 @@ class GrammarCompiler:
         )
         try:
             if kind == "json":
-                return compiler.compile_json_schema(spec, **whitespace)
+                return compiler.compile_json_schema(_unrolled_schema(spec), **whitespace)
             if kind == "json_object":
                 # Any object: strict mode would close objects without properties to "{}".
                 return compiler.compile_json_schema(
                     '{"type": "object"}', strict_mode=False, **whitespace
                 )
             if kind == "regex":
-                return compiler.compile_regex(spec)
+                return compiler.compile_regex(unroll_regex(spec))
             if kind == "choice":
                 choices = json.loads(spec)
                 return compiler.compile_grammar(choice_grammar(choices))
@@ -143,6 +144,16 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _unrolled_schema(spec: str) -> str:
+    """The schema with its string patterns in the forms quick to mask (regex_unroll.py)."""
+    try:
+        schema = json.loads(spec)
+    except ValueError:
+        return spec  # xgrammar's own error says what is wrong
+    unrolled = unroll_schema_patterns(schema)
+    return spec if unrolled == schema else json.dumps(unrolled)
 
 
 def read_tokenizer_info(
