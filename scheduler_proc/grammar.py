@@ -28,7 +28,7 @@ from typing import Any
 from pegainfer.gc_control import GC_FREEZE_ENV
 from pegainfer.process import release_free_heap
 from pegainfer.protocol import StructuredOutput
-from scheduler_proc.regex_unroll import unroll_regex, unroll_schema_patterns
+from scheduler_proc.repeat_unroll import unroll_ebnf, unroll_regex, unroll_schema_patterns
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,9 @@ class GrammarCompiler:
                 choices = json.loads(spec)
                 return compiler.compile_grammar(choice_grammar(choices))
             if kind == "grammar":
-                return compiler.compile_grammar(spec)
+                import xgrammar
+
+                return compiler.compile_grammar(unroll_ebnf(xgrammar, spec))
         except (RuntimeError, ValueError, TypeError) as exc:
             reason = _LOG_PREFIX.sub("", str(exc)).strip()
             raise GrammarError(f"the {kind} constraint does not compile: {reason}") from None
@@ -147,7 +149,7 @@ class GrammarCompiler:
 
 
 def _unrolled_schema(spec: str) -> str:
-    """The schema with its string patterns in the forms quick to mask (regex_unroll.py)."""
+    """The schema with its string patterns in the forms quick to mask (repeat_unroll.py)."""
     try:
         schema = json.loads(spec)
     except ValueError:

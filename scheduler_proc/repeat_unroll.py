@@ -1,4 +1,5 @@
-"""Regex constraints rewritten into the forms xgrammar masks quickly, with the same language.
+"""Regex and EBNF constraints rewritten into the forms xgrammar masks quickly, with the same
+language.
 
 xgrammar turns ``X+`` and ``X{n,}`` into a recursive rule, and ``X{n}`` into a counted
 repetition; from either, filling a row's mask costs hundreds of microseconds in every state
@@ -8,6 +9,9 @@ that is the difference between a mask that hides behind the forward pass and one
 doubles the step. So a single-character atom (a literal, an escape, a class or ``.``)
 followed by such a quantifier is written out: ``X+`` as ``XX*``, ``X{n,}`` as n copies then
 ``X*``, ``X{n}`` as n copies, n at most ``MAX_COPIES``.
+
+An EBNF grammar is read by xgrammar and printed back, one rule a line; a rule of the form
+``r ::= (([class] r) | ([class]))`` (what ``[class]+`` becomes) is written ``[class] [class]*``.
 
 Everything else is left as written: groups (xgrammar's star of a group is itself a recursive
 rule), bounded ``X{n,m}``, lazy and possessive quantifiers. A pattern that this scanner does
@@ -30,6 +34,12 @@ _COUNT = re.compile(r"\{(\d+)(,?)(\d*)\}")
 _GROUP_OPENING = re.compile(r"\(\?(?:P?<[A-Za-z_]\w*>|[:=!]|<[=!])")
 
 
+# A rule that repeats one character class once or more, as xgrammar prints it.
+_CLASS_PLUS_RULE = re.compile(
+    r"(?P<name>[A-Za-z_][\w.-]*) ::= \(\((?P<atom>\[(?:[^\]\\]|\\.)*\]) (?P=name)\) \| \((?P=atom)\)\)"
+)
+
+
 class _Unsure(Exception):
     """The scanner met syntax it does not model; the pattern is kept as written."""
 
@@ -40,6 +50,25 @@ def unroll_regex(pattern: str) -> str:
         return "".join(_rewrite(_tokens(pattern)))
     except _Unsure:
         return pattern
+
+
+def unroll_ebnf(xgrammar: Any, grammar: str) -> str:
+    """``grammar`` as xgrammar prints it, its class-plus rules written as a class star; the
+    grammar itself when it has none, or when xgrammar's print does not read back the same."""
+    printed = str(xgrammar.Grammar.from_ebnf(grammar))
+    rules = printed.split("\n")
+    unrolled = [_unroll_rule(rule) for rule in rules]
+    if unrolled == rules or str(xgrammar.Grammar.from_ebnf(printed)) != printed:
+        return grammar
+    return "\n".join(unrolled)
+
+
+def _unroll_rule(rule: str) -> str:
+    match = _CLASS_PLUS_RULE.fullmatch(rule)
+    if match is None:
+        return rule
+    name, atom = match.group("name", "atom")
+    return f"{name} ::= (({atom} {atom}*))"
 
 
 def unroll_schema_patterns(schema: Any) -> Any:

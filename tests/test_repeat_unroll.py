@@ -8,7 +8,12 @@ import re
 
 import pytest
 
-from scheduler_proc.regex_unroll import MAX_COPIES, unroll_regex, unroll_schema_patterns
+from scheduler_proc.repeat_unroll import (
+    MAX_COPIES,
+    unroll_ebnf,
+    unroll_regex,
+    unroll_schema_patterns,
+)
 
 
 @pytest.mark.parametrize(
@@ -113,7 +118,18 @@ def test_schema_patterns_are_written_out_but_not_instance_data() -> None:
     assert schema["properties"]["code"]["pattern"] == "^[A-Z]{3}-[0-9]+$"  # not modified in place
 
 
-def test_xgrammar_masks_are_the_same_for_the_written_out_pattern() -> None:
+REGEXES = ["[ab .]+", r"a{2,}b+\.\d{2}", r"(a+|b{3}) [^a]+", r"\d+(\.\d+)?", "x{4}[yz]{0,}"]
+GRAMMARS = [
+    'root ::= [ab .]+ "." [0-9]+',
+    'root ::= item+ "."\nitem ::= [ab]+ " " | "x" [yz]+',
+    'root ::= word ".1"\nword ::= [^.]+ (=("."))',
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "form"), [("regex", p) for p in REGEXES] + [("grammar", g) for g in GRAMMARS]
+)
+def test_xgrammar_masks_are_the_same_for_the_written_out_form(kind: str, form: str) -> None:
     xgrammar = pytest.importorskip("xgrammar")
     # Single characters, pairs and a few longer pieces: tokens that cross atom boundaries.
     vocabulary = sorted(
@@ -122,24 +138,17 @@ def test_xgrammar_masks_are_the_same_for_the_written_out_pattern() -> None:
     vocabulary.append("</s>")
     info = xgrammar.TokenizerInfo(vocabulary, stop_token_ids=[len(vocabulary) - 1])
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    compile_form = compiler.compile_regex if kind == "regex" else compiler.compile_grammar
+    written_out = unroll_regex(form) if kind == "regex" else unroll_ebnf(xgrammar, form)
+    assert written_out != form
     rng = random.Random(7)
-    for pattern in [
-        "[ab .]+",
-        r"a{2,}b+\.\d{2}",
-        r"(a+|b{3}) [^a]+",
-        r"\d+(\.\d+)?",
-        "x{4}[yz]{0,}",
-    ]:
-        matchers = [
-            xgrammar.GrammarMatcher(compiler.compile_regex(form))
-            for form in (pattern, unroll_regex(pattern))
-        ]
-        assert unroll_regex(pattern) != pattern
+    for _ in range(8):  # walks of random allowed tokens
+        matchers = [xgrammar.GrammarMatcher(compile_form(text)) for text in (form, written_out)]
         masks = [xgrammar.allocate_token_bitmask(1, len(vocabulary)) for _ in matchers]
         for _ in range(12):
             for matcher, mask in zip(matchers, masks, strict=True):
                 matcher.fill_next_token_bitmask(mask, 0)
-            assert masks[0].equal(masks[1]), pattern
+            assert masks[0].equal(masks[1]), (form, written_out)
             allowed = [
                 token_id
                 for token_id in range(len(vocabulary))
@@ -150,6 +159,31 @@ def test_xgrammar_masks_are_the_same_for_the_written_out_pattern() -> None:
             if matchers[0].is_terminated():
                 assert matchers[1].is_terminated()
                 break
+
+
+def test_ebnf_is_left_alone_where_no_rule_is_a_class_plus() -> None:
+    xgrammar = pytest.importorskip("xgrammar")
+    grammars = [
+        'root ::= "plain"',
+        'root ::= ab\nab ::= [x] b | [x]\nb ::= "q"',
+        'root ::= ("ab")+',
+    ]
+    for grammar in grammars:
+        assert unroll_ebnf(xgrammar, grammar) == grammar
+    with pytest.raises(RuntimeError, match="Unterminated character class"):
+        unroll_ebnf(xgrammar, "root ::= [a-")
+
+
+def test_ebnf_left_alone_where_nothing_is_a_class_plus() -> None:
+    xgrammar = pytest.importorskip("xgrammar")
+    for grammar in [
+        'root ::= "plain"',
+        'root ::= ab\nab ::= [x] b | [x]\nb ::= "q"',
+        'root ::= ("ab")+',
+    ]:
+        assert unroll_ebnf(xgrammar, grammar) == grammar
+    with pytest.raises(RuntimeError, match="Unterminated character class"):
+        unroll_ebnf(xgrammar, "root ::= [a-")
 
 
 def test_a_json_schema_constraint_compiles_with_its_patterns_written_out() -> None:
