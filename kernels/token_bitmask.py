@@ -7,8 +7,10 @@ worker_proc/logit_edits.py), decided on the device.
 
 Grid ``(masked rows, vocab blocks)``: each program reads one block's words and writes -inf
 to the disallowed columns, nothing else; a row whose gate is shut reads nothing and writes
-nothing. The torch reference expands every bit of every row (several full passes over
-``[rows, vocab]``), which the kernel's single masked store replaces.
+nothing. The torch reference (the CPU path) looks each mask byte up in a table of eight
+bounds, +inf where a bit is set and -inf where it is clear, and takes the minimum of each
+logit and its bound: a few passes over ``[rows, vocab]``, which the kernel's single masked
+store replaces.
 """
 
 from __future__ import annotations
@@ -20,6 +22,19 @@ from kernels.backend import cdiv, load_triton, triton_jit, use_triton
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
 BLOCK = 4096
+# Per (dtype, device): row b holds the bounds of the 8 tokens of a mask byte of value b.
+_BYTE_BOUNDS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _byte_bounds(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    bounds = _BYTE_BOUNDS.get((dtype, device))
+    if bounds is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        bounds = torch.where(bits.bool(), float("inf"), float("-inf")).to(
+            dtype=dtype, device=device
+        )
+        _BYTE_BOUNDS[(dtype, device)] = bounds
+    return bounds
 
 
 def apply_token_bitmask_ref(
@@ -41,11 +56,12 @@ def apply_token_bitmask_ref(
     num_rows, num_words = bitmask.shape
     if num_rows == 0:
         return
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # the sign bit shifts down too
-    allowed = bits.view(num_rows, num_words * 32)[:, :vocab].bool()
-    rows = logits.index_select(0, batch_rows)
-    logits.index_copy_(0, batch_rows, rows.masked_fill_(~allowed, float("-inf")))
+    # Little-endian words: byte k of word i holds the bits of tokens 32 i + 8 k ... + 7.
+    mask_bytes = bitmask.contiguous().view(torch.uint8).long()
+    bounds = torch.nn.functional.embedding(mask_bytes, _byte_bounds(logits.dtype, logits.device))
+    bounds = bounds.view(num_rows, num_words * 32)[:, :vocab]
+    for index, row in enumerate(batch_rows.tolist()):
+        torch.minimum(logits[row], bounds[index], out=logits[row])
 
 
 @triton_jit

@@ -66,3 +66,21 @@ def test_no_masked_rows_or_every_gate_shut_is_nothing_to_do(apply):
     gates = torch.tensor([7, 8], device=DEVICE)
     apply(logits, rows, masks, gates, torch.tensor([1, 1], device=DEVICE))  # both shut
     assert torch.equal(logits, before)
+
+
+def test_the_reference_keeps_a_logit_exactly_where_its_bit_is_set():
+    g = gen(13)
+    vocab = 200
+    logits = randn(4, vocab, g=g, dtype=torch.float32).cpu()
+    logits[2, :3] = torch.tensor([float("inf"), -0.0, float("-inf")])
+    masks = random_masks(3, (vocab + 31) // 32, g).cpu()
+    batch_rows = torch.tensor([2, 0, 3])
+    written = logits.clone()
+    apply_token_bitmask_ref(written, batch_rows, masks)
+    for index, row in enumerate(batch_rows.tolist()):
+        for token in range(vocab):
+            allowed = int(masks[index, token // 32]) >> (token % 32) & 1
+            expected = logits[row, token] if allowed else torch.tensor(float("-inf"))
+            assert torch.equal(written[row, token], expected), (row, token)
+            assert written[row, token].signbit() == expected.signbit()
+    assert torch.equal(written[1], logits[1])
