@@ -285,7 +285,10 @@ def allowed_tokens(
         raise ValueError(
             f"a token bitmask of {len(words)} words for {len(rows)} rows of {vocab_size} tokens"
         )
-    arrays = [np.asarray(rows, dtype=np.int64), words.astype(np.int32).reshape(len(rows), -1)]
+    arrays = [
+        np.asarray(rows, dtype=np.int64),
+        words.astype(np.int32, copy=False).reshape(len(rows), -1),
+    ]
     batch_rows, bitmask = uploader.upload(arrays)
     return AllowedTokens(batch_rows, bitmask)
 
