@@ -2,17 +2,24 @@
 
 A request names it in one of these ways (as OpenAI and vLLM accept them), on either endpoint:
 
-- ``response_format``: ``{"type": "json_object"}`` (any JSON object) or ``{"type":
-  "json_schema", "json_schema": {"name": ..., "schema": {...}}}``; ``{"type": "text"}`` is
-  no constraint;
+- ``response_format``: ``{"type": "json_object"}`` (any JSON object), ``{"type":
+  "json_schema", "json_schema": {"name": ..., "schema": {...}}}``, or a structural tag;
+  ``{"type": "text"}`` is no constraint;
 - ``structured_outputs``: an object with one of ``json`` (a schema), ``json_object``
-  (true), ``regex``, ``choice`` (a list of strings) or ``grammar`` (EBNF), and vLLM's
+  (true), ``regex``, ``choice`` (a list of strings), ``grammar`` (EBNF) or
+  ``structural_tag`` (a structural tag, or its JSON text), and vLLM's
   options: ``disable_any_whitespace`` (JSON with no whitespace but the separators'
   single spaces), and ``disable_additional_properties`` and ``disable_fallback``, which
   change nothing (a schema's objects never take properties it does not name; there is one
   backend);
-- the older fields ``guided_json``, ``guided_regex``, ``guided_choice`` and
-  ``guided_grammar``.
+- the older fields ``guided_json``, ``guided_regex``, ``guided_choice``,
+  ``guided_grammar`` and ``structural_tag``.
+
+A structural tag leaves the text free until it writes one of the tag's triggers, and from
+there holds it to a tag's begin string, content and end string. It is xgrammar's format,
+``{"type": "structural_tag", "format": {...}}``, or the older one that vLLM also reads,
+``{"type": "structural_tag", "structures": [{"begin", "schema", "end"}, ...], "triggers":
+[...]}`` (each structure's content a JSON schema).
 
 Here only the shapes are checked; the scheduler compiles the constraint (with the model's
 vocabulary) and refuses, with a 400, one that does not compile.
@@ -31,9 +38,10 @@ LEGACY_FIELDS = {
     "guided_regex": "regex",
     "guided_choice": "choice",
     "guided_grammar": "grammar",
+    "structural_tag": "structural_tag",
 }
 STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", *LEGACY_FIELDS})
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # Options of structured_outputs accepted as they change nothing here: a schema's objects
 # never take properties it does not name, and there is one backend.
 _NO_EFFECT = ("disable_additional_properties", "disable_fallback")
@@ -79,7 +87,12 @@ def _response_format(value: Any) -> StructuredOutput | None:
         if schema is None:
             raise invalid("'response_format.json_schema.schema' is required", param)
         return _constraint("json", schema, param)
-    raise invalid("'response_format.type' must be 'text', 'json_object' or 'json_schema'", param)
+    if kind == "structural_tag":
+        return _constraint("structural_tag", value, param)
+    raise invalid(
+        "'response_format.type' must be 'text', 'json_object', 'json_schema' or 'structural_tag'",
+        param,
+    )
 
 
 def _structured_outputs(value: Any) -> StructuredOutput | None:
@@ -117,6 +130,8 @@ def _constraint(kind: str, value: Any, param: str) -> StructuredOutput:
         if value is not True:
             raise invalid(f"'{param}.json_object' must be true", param)
         return StructuredOutput("json_object")
+    if kind == "structural_tag":
+        return StructuredOutput(kind, json.dumps(structural_tag(value, param)))
     if kind == "choice":
         if (
             not isinstance(value, list)
@@ -128,3 +143,45 @@ def _constraint(kind: str, value: Any, param: str) -> StructuredOutput:
     if not isinstance(value, str) or not value:
         raise invalid(f"the {kind} in '{param}' must be a non-empty string", param)
     return StructuredOutput(kind, value)
+
+
+def structural_tag(value: Any, param: str) -> dict[str, Any]:
+    """The structural tag in ``value`` (an object or its JSON text), with ``"type":
+    "structural_tag"``; its shape checked as far as which format it is in."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise invalid(f"the structural tag in '{param}' is not JSON: {exc}", param) from None
+    if not isinstance(value, dict):
+        raise invalid(f"the structural tag in '{param}' must be an object", param)
+    tag = {"type": "structural_tag", **{key: v for key, v in value.items() if key != "type"}}
+    if "structures" in tag:
+        structures, triggers = tag.get("structures"), tag.get("triggers")
+        if not isinstance(structures, list) or not structures:
+            raise invalid(f"'{param}.structures' must be a non-empty list", param)
+        for structure in structures:
+            if not (
+                isinstance(structure, dict)
+                and isinstance(structure.get("begin"), str)
+                and isinstance(structure.get("end"), str)
+                and isinstance(structure.get("schema"), (dict, bool))
+            ):
+                raise invalid(
+                    f"each of '{param}.structures' must be an object with a 'begin' and an "
+                    "'end' string and a JSON 'schema'",
+                    param,
+                )
+        if (
+            not isinstance(triggers, list)
+            or not triggers
+            or not all(isinstance(trigger, str) and trigger for trigger in triggers)
+        ):
+            raise invalid(f"'{param}.triggers' must be a list of non-empty strings", param)
+    elif not isinstance(tag.get("format"), dict):
+        raise invalid(
+            f"the structural tag in '{param}' needs a 'format' object, or 'structures' and "
+            "'triggers'",
+            param,
+        )
+    return tag

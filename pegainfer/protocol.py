@@ -102,8 +102,8 @@ class StructuredOutput:
     whose allowed next tokens mask the logits at every step.
 
     ``kind``: ``json`` (``spec`` is a JSON schema, serialized), ``json_object`` (any JSON
-    object; ``spec`` empty), ``regex``, ``choice`` (``spec`` a JSON list of strings) or
-    ``grammar`` (EBNF).
+    object; ``spec`` empty), ``regex``, ``choice`` (``spec`` a JSON list of strings),
+    ``grammar`` (EBNF) or ``structural_tag`` (``spec`` the tag, serialized).
 
     ``after_token_id``: -1 for a constraint on the whole output; otherwise it holds from the
     token after this one's first appearance in the output, the tokens up to it free (a

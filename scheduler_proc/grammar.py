@@ -32,13 +32,14 @@ from scheduler_proc.repeat_unroll import unroll_ebnf, unroll_regex, unroll_schem
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # A run of whitespace inside JSON is cut at this many characters: allowed anywhere, any
 # whitespace would let a model stall in it for the rest of its tokens.
 MAX_JSON_WHITESPACE = 16
 GRAMMAR_THREADS_ENV = "PEGAINFER_GRAMMAR_THREADS"
 # xgrammar's errors begin with the time and its source line: "[03:36:14] /path/file.cc:94: ".
-_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# A failed check adds its condition: "Check failed: (...) is false: ".
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (?:Check failed: .*? is false: )?")
 
 
 class GrammarError(ValueError):
@@ -94,6 +95,8 @@ class GrammarCompiler:
                 import xgrammar
 
                 return compiler.compile_grammar(unroll_ebnf(xgrammar, spec))
+            if kind == "structural_tag":
+                return compile_structural_tag(compiler, json.loads(spec))
         except (RuntimeError, ValueError, TypeError) as exc:
             reason = _LOG_PREFIX.sub("", str(exc)).strip()
             raise GrammarError(f"the {kind} constraint does not compile: {reason}") from None
@@ -146,6 +149,24 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def compile_structural_tag(compiler: Any, tag: dict[str, Any]) -> Any:
+    """A structural tag in xgrammar's format, or in the older one of ``structures`` and
+    ``triggers`` (frontend_proc/structured_output.py)."""
+    import xgrammar
+
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(json.dumps(tag))
+    tags = [
+        xgrammar.StructuralTagItem(
+            begin=structure["begin"],
+            schema=json.dumps(unroll_schema_patterns(structure["schema"])),
+            end=structure["end"],
+        )
+        for structure in tag["structures"]
+    ]
+    return compiler.compile_structural_tag(tags, tag["triggers"])
 
 
 def _unrolled_schema(spec: str) -> str:

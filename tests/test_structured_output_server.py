@@ -153,6 +153,35 @@ def test_choice_regex_and_grammar(server):
         assert re.fullmatch(r"<[xyz]+>", choice["text"]), choice
 
 
+def test_structural_tags_in_both_formats(server):
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tag = {
+        "type": "tag",
+        "begin": "<call>",
+        "content": {"type": "json_schema", "json_schema": city},
+        "end": "</call>",
+    }
+    choice = complete(
+        server, max_tokens=40, response_format={"type": "structural_tag", "format": tag}
+    )
+    assert choice["text"].startswith("<call>"), choice
+    # The older format, as vLLM's example sends it: free text until the trigger.
+    legacy = {
+        "type": "structural_tag",
+        "triggers": ["<function="],
+        "structures": [{"begin": "<function=get_weather>", "schema": city, "end": "</function>"}],
+    }
+    choice = complete(server, max_tokens=40, temperature=1.0, seed=3, response_format=legacy)
+    text = choice["text"]
+    if "<function=" in text:  # the random model wrote the trigger: only the tag may follow
+        rest = text.split("<function=", 1)[1]
+        assert rest.startswith("get_weather>") or "get_weather>".startswith(rest), text
+    status, out = server.post(
+        "/v1/completions", {"prompt": PROMPT, "response_format": {**legacy, "triggers": ["<x"]}}
+    )
+    assert status == 400 and "does not match any trigger" in out["error"]["message"], out
+
+
 def test_chat_json_object_streams_what_it_answers(server):
     client = openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=120)
     body = dict(
