@@ -1,11 +1,12 @@
 """Structured output: a constrained request's grammar, and the tokens it allows next.
 
 A request with ``SamplingParams.structured`` gets a grammar (xgrammar) compiled from its JSON
-schema, regex, choice list or EBNF, on a thread of its own, so that a slow compile never
-holds up the steps of the running batch; the request waits meanwhile. Once admitted, it has
-a matcher that takes each of its sampled tokens as the step results arrive, and before
-each step that samples for it, writes the bitmask of the tokens that may come next into the
-step plan; the sampling worker sets every other token's logit to -inf.
+schema, regex, choice list, EBNF or Lark grammar, or structural tag, on a thread of its own,
+so that a slow compile never holds up the steps of the running batch; the request waits
+meanwhile. Once admitted, it has a matcher that takes each of its sampled tokens as the step
+results arrive, and before each step that samples for it, writes the bitmask of the tokens
+that may come next into the step plan; the sampling worker sets every other token's logit
+to -inf.
 
 xgrammar, and the torch and transformers it imports, load with the first constrained
 request: a server that never gets one keeps the scheduler small. The tokenizer's vocabulary
@@ -28,6 +29,7 @@ from typing import Any
 from pegainfer.gc_control import GC_FREEZE_ENV
 from pegainfer.process import release_free_heap
 from pegainfer.protocol import StructuredOutput
+from scheduler_proc.lark import is_lark, lark_to_ebnf
 from scheduler_proc.repeat_unroll import unroll_ebnf, unroll_regex, unroll_schema_patterns
 
 logger = logging.getLogger(__name__)
@@ -94,7 +96,8 @@ class GrammarCompiler:
             if kind == "grammar":
                 import xgrammar
 
-                return compiler.compile_grammar(unroll_ebnf(xgrammar, spec))
+                ebnf = lark_to_ebnf(spec) if is_lark(spec) else spec
+                return compiler.compile_grammar(unroll_ebnf(xgrammar, ebnf))
             if kind == "structural_tag":
                 return compile_structural_tag(compiler, json.loads(spec))
         except (RuntimeError, ValueError, TypeError) as exc:

@@ -153,6 +153,18 @@ def test_choice_regex_and_grammar(server):
         assert re.fullmatch(r"<[xyz]+>", choice["text"]), choice
 
 
+def test_a_lark_grammar(server):
+    lark = 'start: "<" item ("," item)* ">"\nitem: "x".."z" ~ 1..2 | INT\n%import common.INT'
+    for seed in range(3):
+        choice = complete(server, temperature=1.0, seed=seed, structured_outputs={"grammar": lark})
+        assert re.fullmatch(r"<([x-z]{1,2}|\d+)(,([x-z]{1,2}|\d+))*>", choice["text"]), choice
+    status, out = server.post(
+        "/v1/completions",
+        {"prompt": PROMPT, "structured_outputs": {"grammar": 'start: "a"\n%ignore WS'}},
+    )
+    assert status == 400 and "line 2: %ignore" in out["error"]["message"], out
+
+
 def test_structural_tags_in_both_formats(server):
     city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     tag = {
