@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(lower first; the last to be preempted), then arrival",
     )
     engine.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a structured-output constraint may take to compile before its request "
+        "is refused with a 400 (0: no limit)",
+    )
+    engine.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -175,6 +182,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             raise SystemExit(f"pegainfer: --{name.replace('_', '-')} must be at least 1")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise SystemExit("pegainfer: --gpu-memory-utilization must be in (0, 1]")
+    if not args.grammar_compile_timeout >= 0:  # NaN too
+        raise SystemExit("pegainfer: --grammar-compile-timeout must be at least 0")
     try:
         override = parse_override(args.override_generation_config)
     except ValueError as exc:
@@ -195,6 +204,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        grammar_compile_timeout=args.grammar_compile_timeout,
         tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.enforce_eager,
         no_overlap=args.no_overlap,

@@ -57,6 +57,8 @@ class EngineConfig:
     # "fcfs": first come, first served; "priority": by each request's priority (lower
     # first), then arrival.
     scheduling_policy: str = "fcfs"
+    # Seconds a constraint may compile before its request is refused (0: no limit).
+    grammar_compile_timeout: float = 10.0
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     no_overlap: bool = False  # one step in flight: plan only after the last result

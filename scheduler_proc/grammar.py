@@ -54,25 +54,64 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
 
 
+class CompileJob:
+    """One constraint's compile: its future, and when the thread took it up (None before)."""
+
+    def __init__(self, structured: StructuredOutput) -> None:
+        self.structured = structured
+        self.started_at: float | None = None
+        self.future: Future = Future()
+
+    def run(self, compiler: GrammarCompiler) -> Any:
+        compiler.backend()  # loading xgrammar and the vocabulary is not this compile's time
+        self.started_at = time.monotonic()
+        return compiler.compile(self.structured)
+
+
 class GrammarCompiler:
-    """Compiles constraints on one background thread; ``submit`` returns at once."""
+    """Compiles constraints on a background thread; ``submit`` returns at once. A compile
+    that overran its deadline is left to finish on its thread, unawaited, and the compiles
+    queued behind it move to a fresh thread (``abandon_running``)."""
 
     def __init__(self, tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._executor: ThreadPoolExecutor | None = None
+        self._queued: list[CompileJob] = []
         self._compiler: Any = None  # xgrammar.GrammarCompiler, made on the thread
         self._lock = threading.Lock()
+        self.num_abandoned = 0
 
-    def submit(self, structured: StructuredOutput) -> Future:
-        """A future of the compiled grammar; it raises ``GrammarError`` if it cannot be."""
+    def submit(self, structured: StructuredOutput) -> CompileJob:
+        """The compile of ``structured``; its future raises ``GrammarError`` if it cannot
+        be compiled."""
+        job = CompileJob(structured)
+        self._start(job)
+        return job
+
+    def _start(self, job: CompileJob) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        return self._executor.submit(self.compile, structured)
+        job.future = self._executor.submit(job.run, self)
+        self._queued = [queued for queued in self._queued if queued.started_at is None]
+        self._queued.append(job)
+
+    def abandon_running(self) -> None:
+        """Leave the running compile to its thread; the ones queued behind it start on a new
+        one (xgrammar's compiler takes compiles from several threads at once)."""
+        old = self._executor
+        self._executor = None
+        self.num_abandoned += 1
+        waiting = [job for job in self._queued if job.started_at is None and job.future.cancel()]
+        self._queued = []
+        if old is not None:
+            old.shutdown(wait=False)
+        for job in waiting:
+            self._start(job)
 
     def compile(self, structured: StructuredOutput) -> Any:
-        compiler = self._backend()
+        compiler = self.backend()
         kind, spec = structured.kind, structured.spec
         # Compact JSON: the separators' single spaces, none elsewhere.
         whitespace = (
@@ -105,7 +144,7 @@ class GrammarCompiler:
             raise GrammarError(f"the {kind} constraint does not compile: {reason}") from None
         raise GrammarError(f"unknown structured output kind {kind!r}")
 
-    def _backend(self) -> Any:
+    def backend(self) -> Any:
         with self._lock:
             if self._compiler is None:
                 self._compiler = self._make_compiler()
@@ -152,6 +191,7 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
 
 def compile_structural_tag(compiler: Any, tag: dict[str, Any]) -> Any:

@@ -14,13 +14,19 @@ while two of its tokens are in flight.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
-from concurrent.futures import Future
 
 from pegainfer.config import EngineConfig
 from pegainfer.protocol import RequestRejected, StepMasks, StepPlan, pack_ids
 from scheduler_proc.admission import reject
-from scheduler_proc.grammar import BitmaskBuffer, GrammarCompiler, GrammarError, RequestGrammar
+from scheduler_proc.grammar import (
+    BitmaskBuffer,
+    CompileJob,
+    GrammarCompiler,
+    GrammarError,
+    RequestGrammar,
+)
 from scheduler_proc.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -32,7 +38,7 @@ class ConstrainedRequests:
         self._compiler: GrammarCompiler | None = None
         self._bitmask: BitmaskBuffer | None = None
         self.compiling: list[Request] = []
-        self._futures: dict[str, Future] = {}
+        self._jobs: dict[str, CompileJob] = {}
         # Constrained requests not finished (compiling, waiting or running): while none,
         # planning skips every grammar check.
         self.num_live = 0
@@ -55,11 +61,11 @@ class ConstrainedRequests:
         structured = request.sampling.structured
         assert structured is not None
         try:
-            future = self._get_compiler().submit(structured)
+            job = self._get_compiler().submit(structured)
         except GrammarError as exc:
             return reject(request.request_id, str(exc), "response_format")
         request.status = RequestStatus.COMPILING
-        self._futures[request.request_id] = future
+        self._jobs[request.request_id] = job
         self.compiling.append(request)
         self.num_live += 1
         return None
@@ -70,15 +76,28 @@ class ConstrainedRequests:
         ready: list[Request] = []
         rejections: list[RequestRejected] = []
         still: list[Request] = []
+        timeout = self._config.grammar_compile_timeout
+        now = time.monotonic()
         for request in self.compiling:
-            future = self._futures[request.request_id]
-            if not future.done():
-                still.append(request)
+            job = self._jobs[request.request_id]
+            if not job.future.done():
+                overran = timeout > 0 and job.started_at is not None
+                if not (overran and now - job.started_at > timeout):
+                    still.append(request)
+                    continue
+                assert self._compiler is not None
+                self._compiler.abandon_running()
+                reason = (
+                    f"the {job.structured.kind} constraint did not compile within "
+                    f"{timeout:g} s (--grammar-compile-timeout)"
+                )
+                logger.warning("%s: %s; its compile goes on unawaited", request.request_id, reason)
+                self._refuse(request, requests, reason, rejections)
                 continue
-            del self._futures[request.request_id]
             try:
                 opens_after = request.sampling.structured.after_token_id
-                request.grammar = RequestGrammar(future.result(), opens_after)
+                request.grammar = RequestGrammar(job.future.result(), opens_after)
+                del self._jobs[request.request_id]
                 request.status = RequestStatus.WAITING
                 ready.append(request)
                 continue
@@ -87,12 +106,22 @@ class ConstrainedRequests:
             except Exception as exc:  # a compiler failure must not take the scheduler down
                 logger.exception("compiling the constraint of %s failed", request.request_id)
                 reason = f"the constraint could not be compiled: {exc}"
-            self.num_live -= 1
-            del requests[request.request_id]
-            request.status = RequestStatus.FINISHED
-            rejections.append(reject(request.request_id, reason, "response_format"))
+            self._refuse(request, requests, reason, rejections)
         self.compiling = still
         return ready, rejections
+
+    def _refuse(
+        self,
+        request: Request,
+        requests: dict[str, Request],
+        reason: str,
+        rejections: list[RequestRejected],
+    ) -> None:
+        del self._jobs[request.request_id]
+        self.num_live -= 1
+        del requests[request.request_id]
+        request.status = RequestStatus.FINISHED
+        rejections.append(reject(request.request_id, reason, "response_format"))
 
     def drop(self, request: Request) -> None:
         """A request leaves for good (finished or aborted)."""
@@ -100,9 +129,9 @@ class ConstrainedRequests:
             return
         if request.status is RequestStatus.COMPILING:
             self.compiling.remove(request)
-            future = self._futures.pop(request.request_id, None)
-            if future is not None:
-                future.cancel()
+            job = self._jobs.pop(request.request_id, None)
+            if job is not None:
+                job.future.cancel()
         self.num_live -= 1
         request.grammar = None
 

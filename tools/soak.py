@@ -95,6 +95,14 @@ CONSTRAINTS = (
         }
     },
     {"response_format": {"type": "json_object"}},
+    {"structured_outputs": {"grammar": 'start: WORD ("," WORD)*\n%import common.WORD'}},
+    {
+        "response_format": {
+            "type": "structural_tag",
+            "triggers": ["<call="],
+            "structures": [{"begin": "<call=f>", "schema": {"type": "object"}, "end": "</call>"}],
+        }
+    },
     {"guided_regex": "[0-9"},
 )
 # vLLM's extensions: each keeps per-request state somewhere (the worker's edits, the
