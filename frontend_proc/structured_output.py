@@ -118,14 +118,7 @@ def _structured_outputs(value: Any) -> StructuredOutput | None:
 
 def _constraint(kind: str, value: Any, param: str) -> StructuredOutput:
     if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise invalid(f"the JSON schema in '{param}' is not JSON: {exc}", param) from None
-        if not isinstance(value, dict):
-            raise invalid(f"the JSON schema in '{param}' must be an object", param)
-        return StructuredOutput("json", json.dumps(value))
+        return StructuredOutput("json", json.dumps(_json_object(value, "JSON schema", param)))
     if kind == "json_object":
         if value is not True:
             raise invalid(f"'{param}.json_object' must be true", param)
@@ -148,13 +141,7 @@ def _constraint(kind: str, value: Any, param: str) -> StructuredOutput:
 def structural_tag(value: Any, param: str) -> dict[str, Any]:
     """The structural tag in ``value`` (an object or its JSON text), with ``"type":
     "structural_tag"``; its shape checked as far as which format it is in."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise invalid(f"the structural tag in '{param}' is not JSON: {exc}", param) from None
-    if not isinstance(value, dict):
-        raise invalid(f"the structural tag in '{param}' must be an object", param)
+    value = _json_object(value, "structural tag", param)
     tag = {"type": "structural_tag", **{key: v for key, v in value.items() if key != "type"}}
     if "structures" in tag:
         structures, triggers = tag.get("structures"), tag.get("triggers")
@@ -185,3 +172,15 @@ def structural_tag(value: Any, param: str) -> dict[str, Any]:
             param,
         )
     return tag
+
+
+def _json_object(value: Any, what: str, param: str) -> dict[str, Any]:
+    """``value``, an object or the JSON text of one."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise invalid(f"the {what} in '{param}' is not JSON: {exc}", param) from None
+    if not isinstance(value, dict):
+        raise invalid(f"the {what} in '{param}' must be an object", param)
+    return value
