@@ -84,6 +84,19 @@ def reject(request_id: str, message: str, param: str | None) -> RequestRejected:
     )
 
 
+def turn_away(request_id: str, message: str, code: str) -> RequestRejected:
+    """A 503: the request may be fine, the server cannot take it now."""
+    logger.warning("turned away request %s: %s", request_id, message)
+    return RequestRejected(
+        request_id=request_id,
+        status=503,
+        message=message,
+        error_type="server_error",
+        param=None,
+        code=code,
+    )
+
+
 @dataclass
 class AdmissionPlan:
     """How a waiting request starts: on the cached blocks of its longest cached prefix

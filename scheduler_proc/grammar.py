@@ -48,6 +48,15 @@ class GrammarError(ValueError):
     """The request's constraint does not compile; the message says why (for a 400)."""
 
 
+class CompilerBusy(RuntimeError):
+    """Overrun compiles still hold ``MAX_ABANDONED`` threads: no new one starts (a 503)."""
+
+
+# Compiles abandoned at their deadline that may still run, each on a thread (and a core) of
+# its own, before new constraints are turned away.
+MAX_ABANDONED = 2
+
+
 def choice_grammar(choices: list[str]) -> str:
     """The EBNF grammar whose sentences are exactly ``choices``."""
     # JSON string syntax is also EBNF string-literal syntax (the same escapes).
@@ -79,13 +88,20 @@ class GrammarCompiler:
         self.stop_token_ids = list(stop_token_ids)
         self._executor: ThreadPoolExecutor | None = None
         self._queued: list[CompileJob] = []
+        self._abandoned: list[CompileJob] = []
         self._compiler: Any = None  # xgrammar.GrammarCompiler, made on the thread
         self._lock = threading.Lock()
         self.num_abandoned = 0
 
     def submit(self, structured: StructuredOutput) -> CompileJob:
         """The compile of ``structured``; its future raises ``GrammarError`` if it cannot
-        be compiled."""
+        be compiled. ``CompilerBusy`` while too many overrun compiles still run."""
+        self._abandoned = [job for job in self._abandoned if not job.future.done()]
+        if len(self._abandoned) >= MAX_ABANDONED:
+            raise CompilerBusy(
+                f"{len(self._abandoned)} constraints that overran --grammar-compile-timeout "
+                "are still compiling; try again later"
+            )
         job = CompileJob(structured)
         self._start(job)
         return job
@@ -94,7 +110,7 @@ class GrammarCompiler:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         job.future = self._executor.submit(job.run, self)
-        self._queued = [queued for queued in self._queued if queued.started_at is None]
+        self._queued = [queued for queued in self._queued if not queued.future.done()]
         self._queued.append(job)
 
     def abandon_running(self) -> None:
@@ -103,6 +119,9 @@ class GrammarCompiler:
         old = self._executor
         self._executor = None
         self.num_abandoned += 1
+        self._abandoned += [
+            job for job in self._queued if job.started_at is not None and not job.future.done()
+        ]
         waiting = [job for job in self._queued if job.started_at is None and job.future.cancel()]
         self._queued = []
         if old is not None:

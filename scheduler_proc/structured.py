@@ -19,10 +19,11 @@ from collections import deque
 
 from pegainfer.config import EngineConfig
 from pegainfer.protocol import RequestRejected, StepMasks, StepPlan, pack_ids
-from scheduler_proc.admission import reject
+from scheduler_proc.admission import reject, turn_away
 from scheduler_proc.grammar import (
     BitmaskBuffer,
     CompileJob,
+    CompilerBusy,
     GrammarCompiler,
     GrammarError,
     RequestGrammar,
@@ -64,6 +65,8 @@ class ConstrainedRequests:
             job = self._get_compiler().submit(structured)
         except GrammarError as exc:
             return reject(request.request_id, str(exc), "response_format")
+        except CompilerBusy as exc:
+            return turn_away(request.request_id, str(exc), "grammar_compiler_busy")
         request.status = RequestStatus.COMPILING
         self._jobs[request.request_id] = job
         self.compiling.append(request)

@@ -98,3 +98,29 @@ def test_the_deadline_is_a_server_option() -> None:
     assert config_from_args(parser.parse_args([])).grammar_compile_timeout == 10.0
     with pytest.raises(SystemExit, match="grammar-compile-timeout"):
         config_from_args(parser.parse_args(["--grammar-compile-timeout", "-1"]))
+
+
+def test_while_two_overrun_compiles_still_run_new_constraints_are_turned_away(
+    tiny_qwen3_dir, slow_compiles
+) -> None:
+    config = make_config(
+        model_path=tiny_qwen3_dir, model=read_model_info(tiny_qwen3_dir), max_model_len=256,
+        num_kv_blocks=256, grammar_compile_timeout=0.3,
+    )  # fmt: skip
+    scheduler = Scheduler(config)
+    for request_id in ("slow-1", "slow-2"):
+        assert scheduler.add_request(request(request_id, StructuredOutput("regex", SLOW))) is None
+    rejections = settle_until(scheduler, lambda: scheduler.num_compiling == 0)
+    assert [r.request_id for r in rejections] == ["slow-1", "slow-2"]
+    assert all(r.status == 400 for r in rejections)
+    busy = scheduler.add_request(request("more", StructuredOutput("regex", "[ab]")))
+    assert busy is not None and busy.status == 503 and busy.code == "grammar_compiler_busy"
+    assert scheduler.get_request("more") is None and scheduler.constrained.num_live == 0
+    # Unconstrained requests are not affected.
+    assert scheduler.add_request(request("free", None)) is None
+    slow_compiles.set()  # both end; new constraints compile again
+    deadline = time.monotonic() + 30
+    while scheduler.add_request(request("more", StructuredOutput("regex", "[ab]"))) is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert settle_until(scheduler, lambda: scheduler.num_compiling == 0) == []
