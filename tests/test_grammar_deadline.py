@@ -124,3 +124,43 @@ def test_while_two_overrun_compiles_still_run_new_constraints_are_turned_away(
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert settle_until(scheduler, lambda: scheduler.num_compiling == 0) == []
+
+
+@pytest.mark.slow
+def test_through_the_server_an_overrun_is_a_400_and_a_full_compiler_a_503(
+    tiny_qwen3_dir, tmp_path
+) -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    from tests.server_util import Server
+
+    server = Server(
+        "--model-path", tiny_qwen3_dir, "--device", "cpu", "--kv-cache-memory", "64MiB",
+        "--max-model-len", "256", "--grammar-compile-timeout", "0.05",
+        log_path=str(tmp_path / "pegainfer.log"),
+    ).wait_ready()  # fmt: skip
+    try:
+        body = {"prompt": "hi", "max_tokens": 4}
+        status, out = server.post("/v1/completions", {**body, "guided_regex": "[ab]"})
+        assert status == 200, out  # xgrammar loaded: its load is not a compile's time
+        # Each takes about a second to compile on this machine's cores.
+        for regex in ("[a-z]{1,1000}", "[b-z]{1,1000}"):
+            status, out = server.post("/v1/completions", {**body, "guided_regex": regex})
+            assert status == 400, out
+            assert "did not compile within 0.05 s" in out["error"]["message"]
+        request = urllib.request.Request(
+            server.url("/v1/completions"),
+            data=json.dumps({**body, "guided_regex": "[cd]"}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=60)
+        assert caught.value.code == 503 and caught.value.headers["Retry-After"]
+        assert json.loads(caught.value.read())["error"]["code"] == "grammar_compiler_busy"
+        status, out = server.post("/v1/completions", body)  # unconstrained: served
+        assert status == 200, out
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+    assert server.leftovers() == []
