@@ -87,10 +87,16 @@ STRUCTURED = {
 }
 
 
-def request_sampling(choice: str, structured: str = "none") -> list[dict[str, Any]]:
-    """Each request's sampling fields; a None field is left out of the request."""
+def request_sampling(
+    choice: str, structured: str = "none", regex: str | None = None
+) -> list[dict[str, Any]]:
+    """Each request's sampling fields; a None field is left out of the request. ``regex``
+    replaces the pattern of ``structured`` "regex"."""
     presets = [{"temperature": None}] if choice == SERVER_DEFAULTS else SAMPLING_PRESETS[choice]
-    return [{**preset, **STRUCTURED[structured]} for preset in presets]
+    constraint = STRUCTURED[structured]
+    if structured == "regex" and regex is not None:
+        constraint = {"structured_outputs": {"regex": regex}}
+    return [{**preset, **constraint} for preset in presets]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(STRUCTURED),
         default="none",
         help="constrain every answer: json (a JSON schema), regex, or none",
+    )
+    p.add_argument(
+        "--regex",
+        default=None,
+        help="the pattern of --structured regex (default [a-z ,.]+; ([a-z ,.])+ is the same "
+        "language in a form the scheduler does not write out)",
     )
     p.add_argument(
         "--endpoint",
@@ -309,7 +321,7 @@ def run_benchmark(
     prompts: list = random_token_prompts(input_lens, vocab, args.seed)
     if args.endpoint == "chat":
         prompts = chat_prompts(prompts, args.model_path or root)
-    sampling = request_sampling(args.sampling, args.structured)
+    sampling = request_sampling(args.sampling, args.structured, args.regex)
     if args.chat_template_kwargs is not None:
         sampling = [{**s, "chat_template_kwargs": args.chat_template_kwargs} for s in sampling]
 
