@@ -219,7 +219,8 @@ def compile_structural_tag(compiler: Any, tag: dict[str, Any]) -> Any:
     import xgrammar
 
     if "structures" not in tag:
-        return compiler.compile_structural_tag(json.dumps(tag))
+        # Its "pattern"s are regexes: a JSON schema's, or a regex content's.
+        return compiler.compile_structural_tag(json.dumps(unroll_schema_patterns(tag)))
     tags = [
         xgrammar.StructuralTagItem(
             begin=structure["begin"],

@@ -161,3 +161,22 @@ def test_a_tag_that_does_not_compile_is_refused_with_xgrammar_s_reason(qwen3_con
     assert rejection.message.startswith("the structural_tag constraint does not compile: ")
     assert "does not match any trigger" in rejection.message
     assert "Check failed" not in rejection.message
+
+
+def test_a_regex_content_is_written_out_and_keeps_its_language(qwen3_config) -> None:
+    import xgrammar
+
+    from scheduler_proc.grammar import compile_structural_tag, read_tokenizer_info
+
+    model = qwen3_config.model
+    info = read_tokenizer_info(
+        xgrammar, qwen3_config.model_path, model.vocab_size, list(model.eos_token_ids)
+    )
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+    content = {"type": "regex", "pattern": "[a-z ]+"}
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<r>", "content": content, "end": "</r>"}}  # fmt: skip
+    compiled = compile_structural_tag(compiler, tag)
+    assert tag["format"]["content"]["pattern"] == "[a-z ]+"  # the request's own is unchanged
+    matcher = xgrammar.GrammarMatcher(compiled)
+    assert matcher.accept_string("<r>ab c</r>") and matcher.accept_token(model.eos_token_ids[0])
+    assert not xgrammar.GrammarMatcher(compiled).accept_string("<r></r>")
