@@ -36,6 +36,16 @@ def slow_compiles(monkeypatch):
     release.set()
 
 
+def scheduler_with_deadline(model_dir: str, seconds: float) -> Scheduler:
+    model = read_model_info(model_dir)
+    return Scheduler(
+        make_config(
+            model_path=model_dir, model=model, max_model_len=256, num_kv_blocks=256,
+            grammar_compile_timeout=seconds,
+        )
+    )  # fmt: skip
+
+
 def settle_until(scheduler: Scheduler, done, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     rejections = []
@@ -49,11 +59,7 @@ def settle_until(scheduler: Scheduler, done, timeout: float = 30.0):
 def test_an_overrun_compile_is_refused_and_the_queue_behind_it_moves(
     tiny_qwen3_dir, slow_compiles
 ) -> None:
-    config = make_config(
-        model_path=tiny_qwen3_dir, model=read_model_info(tiny_qwen3_dir), max_model_len=256,
-        num_kv_blocks=256, grammar_compile_timeout=0.5,
-    )  # fmt: skip
-    scheduler = Scheduler(config)
+    scheduler = scheduler_with_deadline(tiny_qwen3_dir, 0.5)
     # The first compile loads xgrammar: that time does not count against its deadline.
     assert scheduler.add_request(request("first", StructuredOutput("regex", "[ab]"))) is None
     assert settle_until(scheduler, lambda: scheduler.num_compiling == 0) == []
@@ -78,11 +84,7 @@ def test_an_overrun_compile_is_refused_and_the_queue_behind_it_moves(
 
 
 def test_no_deadline_with_zero(tiny_qwen3_dir, slow_compiles) -> None:
-    config = make_config(
-        model_path=tiny_qwen3_dir, model=read_model_info(tiny_qwen3_dir), max_model_len=256,
-        num_kv_blocks=256, grammar_compile_timeout=0.0,
-    )  # fmt: skip
-    scheduler = Scheduler(config)
+    scheduler = scheduler_with_deadline(tiny_qwen3_dir, 0.0)
     assert scheduler.add_request(request("slow", StructuredOutput("regex", SLOW))) is None
     time.sleep(0.3)
     assert scheduler.collect_grammars() == [] and scheduler.num_compiling == 1
@@ -103,11 +105,7 @@ def test_the_deadline_is_a_server_option() -> None:
 def test_while_two_overrun_compiles_still_run_new_constraints_are_turned_away(
     tiny_qwen3_dir, slow_compiles
 ) -> None:
-    config = make_config(
-        model_path=tiny_qwen3_dir, model=read_model_info(tiny_qwen3_dir), max_model_len=256,
-        num_kv_blocks=256, grammar_compile_timeout=0.3,
-    )  # fmt: skip
-    scheduler = Scheduler(config)
+    scheduler = scheduler_with_deadline(tiny_qwen3_dir, 0.3)
     for request_id in ("slow-1", "slow-2"):
         assert scheduler.add_request(request(request_id, StructuredOutput("regex", SLOW))) is None
     rejections = settle_until(scheduler, lambda: scheduler.num_compiling == 0)
