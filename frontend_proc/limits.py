@@ -42,6 +42,8 @@ def resolve_max_tokens(
             where if prompt_len >= max_model_len else "max_tokens",
             CONTEXT_LENGTH_EXCEEDED,
         )
+    if resolved.max_tokens_ceiling is not None:
+        resolved.max_tokens = min(resolved.max_tokens, resolved.max_tokens_ceiling)
     if resolved.max_tokens < 1:
         raise invalid("'max_tokens' must be at least 1", "max_tokens")
     if resolved.min_tokens > resolved.max_tokens:

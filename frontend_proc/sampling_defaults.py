@@ -5,7 +5,9 @@ temperature 0.6, top-p 0.95, top-k 20). By default the server reads them there, 
 that sends no sampling fields gets the model's own behaviour; ``--generation-config none``
 keeps the API's neutral defaults (temperature 1, no filters), and
 ``--override-generation-config`` sets any of them by hand. A request's own fields always
-win. ``do_sample`` is not read: a client asks for greedy decoding with temperature 0.
+win, except over ``max_new_tokens``: that one is a ceiling on every request's ``max_tokens``
+(vLLM reads it the same way). ``do_sample`` is not read: a client asks for greedy decoding
+with temperature 0.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class SamplingDefaults:
     top_k: int = -1  # -1: off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    max_new_tokens: int | None = None  # None: no ceiling but the context window
 
     def changed(self) -> dict[str, float | int]:
         """The settings that differ from the API's neutral defaults."""
@@ -47,6 +50,8 @@ def read_setting(values: dict[str, Any], name: str) -> float | int | None:
     if name == "top_k":
         top_k = get_int(values, name, None, lo=-1, hi=MAX_INT32)
         return -1 if top_k == 0 else top_k  # 0 and -1 both mean "off", as in a request
+    if name == "max_new_tokens":
+        return get_int(values, name, None, lo=1, hi=MAX_INT32)
     bounds = {
         "temperature": {"lo": 0.0, "hi": 2.0},
         "top_p": {"lo": 0.0, "hi": 1.0, "lo_open": True},

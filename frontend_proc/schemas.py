@@ -124,6 +124,7 @@ def _sampling(body: dict[str, Any], max_tokens: int, defaults: SamplingDefaults)
     bias_ids, bias_values = get_logit_bias(body)
     return SamplingParams(
         max_tokens=max_tokens,
+        max_tokens_ceiling=defaults.max_new_tokens,
         temperature=setting("temperature"),
         top_p=setting("top_p"),
         top_k=setting("top_k"),

@@ -122,6 +122,9 @@ class SamplingParams:
     """Per-request generation settings. Validated by the frontend before they travel."""
 
     max_tokens: int = 16
+    # The server's ceiling on max_tokens (generation_config's max_new_tokens), applied once
+    # the prompt's length is known; None: the context window alone.
+    max_tokens_ceiling: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: off

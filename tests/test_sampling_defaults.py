@@ -160,3 +160,33 @@ def test_a_requests_own_fields_win_over_the_defaults():
     with pytest.raises(APIError, match="temperature") as refused:
         parse_completion_request(bad, MODEL, QWEN3_DEFAULTS)
     assert refused.value.status == 400 and refused.value.param == "temperature"
+
+
+def test_max_new_tokens_is_a_ceiling_on_max_tokens(tmp_path):
+    from frontend_proc.limits import resolve_max_tokens
+
+    model = write_config(tmp_path, {**QWEN3_GENERATION_CONFIG, "max_new_tokens": 32})
+    defaults, notes = resolve_sampling_defaults("auto", model, {})
+    assert defaults["max_new_tokens"] == 32 and "max_new_tokens=32" in notes[-1]
+    capped = SamplingDefaults.from_dict(defaults)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+
+    def resolved(body, prompt_len=10, max_model_len=1000, is_chat=True):
+        parse = parse_chat_request if is_chat else parse_completion_request
+        sampling = parse(body, MODEL, capped).sampling
+        return resolve_max_tokens(prompt_len, sampling, max_model_len, is_chat).max_tokens
+
+    assert resolved(chat) == 32  # filling the context, capped
+    assert resolved(chat, prompt_len=990) == 10  # the context is the tighter bound
+    assert resolved({**chat, "max_tokens": 500}) == 32  # a request's own value, capped
+    assert resolved({**chat, "max_completion_tokens": 7}) == 7
+    assert resolved({"prompt": "hi"}, is_chat=False) == 16  # the completions default
+    # A request that does not fit the window is still refused, as without the cap.
+    with pytest.raises(APIError, match="maximum context length"):
+        resolved({**chat, "max_tokens": 995})
+    with pytest.raises(APIError, match="min_tokens"):
+        resolved({**chat, "min_tokens": 40})
+    assert resolved(chat, max_model_len=1000) == 32
+    assert parse_override('{"max_new_tokens": 8}') == {"max_new_tokens": 8}
+    with pytest.raises(ValueError, match="at least 1"):
+        parse_override('{"max_new_tokens": 0}')
