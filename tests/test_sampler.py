@@ -174,6 +174,30 @@ def test_candidate_path_draws_what_the_whole_vocabulary_draws(monkeypatch):
     assert candidates.tolist() == _sample(_sampler(), logits, params, positions).tolist()
 
 
+def test_nucleus_path_draws_what_the_sorted_cut_draws():
+    """Rows with top-p or min-p and no top-k take the sort-free search: the same tokens as
+    the sorted cut and the race over what it keeps."""
+    vocab, rows = 4000, 64
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(12)) * 3
+    settings = [
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0, min_p=0.05),
+        SamplingParams(temperature=1.2, top_p=0.5, min_p=0.1),
+        SamplingParams(
+            temperature=0.9, top_p=0.99, top_k=vocab
+        ),  # top-k of the whole vocabulary: off
+    ]
+    params = [SamplingParams(**{**vars(settings[i % 4]), "seed": 2000 + i}) for i in range(rows)]
+    positions = torch.arange(7, 7 + rows)
+    sampler = _sampler()
+    batch = sampler.prepare(params, vocab)
+    (group,) = batch.groups
+    assert group.path == "nucleus"
+    drawn = sampler.sample(logits, batch, positions)
+    expected = sampler._draw_filtered(logits, group, positions, 0)
+    assert drawn.tolist() == expected.tolist()
+
+
 def test_candidate_path_follows_the_filtered_distribution():
     probs = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
     # top_k 5 renormalises to [0.353, 0.235, 0.176, 0.118, 0.118]; top_p 0.7 keeps the
@@ -202,7 +226,7 @@ def test_each_row_takes_its_own_path_whatever_the_batch(monkeypatch):
         SamplingParams(temperature=1.0),
     ]
     batch = _sampler().prepare([*others[:2], seeded, *others[2:]], vocab)
-    assert sorted(g.path for g in batch.groups) == ["candidates", "filtered", "race"]
+    assert sorted(g.path for g in batch.groups) == ["candidates", "filtered", "nucleus", "race"]
     for position in range(10, 20):
         alone = _sample(_sampler(), row, [seeded], [position]).item()
         logits = torch.cat([crowd[:2], row, crowd[2:]])

@@ -168,7 +168,7 @@ def cases(device: torch.device, quick: bool) -> list[tuple[str, Callable, Callab
             )
         )
 
-    from kernels import sampling_candidates, sampling_race
+    from kernels import sampling_candidates, sampling_nucleus, sampling_race
 
     for batch in (1, 8, 64) if quick else (1, 8, 64, 256):
         logits = torch.randn(batch, VOCAB, dtype=DTYPE, device=device) * 3
@@ -198,6 +198,16 @@ def cases(device: torch.device, quick: bool) -> list[tuple[str, Callable, Callab
                 lambda a=candidate_args: sampling_candidates.race_candidates_triton(*a),
                 lambda a=candidate_args: sampling_candidates.race_candidates_ref(*a),
                 values.numel() * 12,
+                0.0,
+            )
+        )
+        nucleus_args = (logits, race_args[1], cut, torch.zeros_like(cut), *race_args[2:])
+        rows.append(
+            (
+                f"sampling nucleus (top-p 0.95, no top-k) B={batch}",
+                lambda a=nucleus_args: sampling_nucleus.race_nucleus_triton(*a),
+                lambda a=nucleus_args: sampling_nucleus.race_nucleus_ref(*a),
+                logits.numel() * ELEM,
                 0.0,
             )
         )

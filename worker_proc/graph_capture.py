@@ -25,6 +25,7 @@ import kernels
 from kernels.compile_ahead import CompileAheadReport, compile_for, fingerprint
 from kernels.host_copy import copy_pinned, tokens_out
 from kernels.sampling_candidates import race_candidates
+from kernels.sampling_nucleus import race_nucleus
 from kernels.sampling_race import race_rows
 from pegainfer.config import EngineConfig
 from pegainfer.startup_timeline import StartupTimeline
@@ -163,13 +164,16 @@ def compile_graph_kernels(
 
     def outside_graphs() -> None:
         # The sampler's kernels, which no graph takes: the argmax of penalised (float32)
-        # rows, and the race over the model's logits and over filtered float32 scores; and
-        # every step's upload and token readback (kernels/host_copy.py): one variant each.
+        # rows, and the race and the top-p / min-p search over the model's logits and over
+        # edited float32 ones; and every step's upload and token readback
+        # (kernels/host_copy.py): one variant each.
         kernels.argmax_rows(torch.empty((1, vocab_size), dtype=torch.float32, device=device))
         row = torch.zeros(1, dtype=torch.int64, device=device)
         for values_dtype in dict.fromkeys((dtype, torch.float32)):
             values = torch.zeros((1, vocab_size), dtype=values_dtype, device=device)
             race_rows(values, torch.ones(1, device=device), row, row, 0)
+            ones = torch.ones(1, device=device)
+            race_nucleus(values, ones, ones, ones, row, row, 0)
         # The candidate path's four variants (with and without top-p, min-p).
         width = min(CANDIDATES, vocab_size)
         values = torch.zeros((1, width), device=device)

@@ -18,13 +18,16 @@ counter-based hash of (key, position, vocabulary index) (worker_proc/sampling_no
 seeded row's key comes from its seed, an unseeded row's from the sampler's call count, so
 no generator state lives on the device.
 
-Three paths, each row's set by its own settings (so a seeded row draws the same token
+Four paths, each row's set by its own settings (so a seeded row draws the same token
 whatever batch it is in):
 - no filter (temperature alone, the API's default): one pass over the row, the race kernel
   (kernels/sampling_race.py), which makes the noise as it reads;
 - top-k of at most ``CANDIDATES`` (Qwen3's recommended 20, say): one ``topk`` finds the
   row's ``CANDIDATES`` largest scores, and the cuts and the draw run over those alone;
-- any other filter: over the whole row in torch (a sort only for top-p), then the race.
+- top-p or min-p without top-k: the race over the row searched for its cut without a sort
+  (kernels/sampling_nucleus.py), two or three passes over the row;
+- a top-k past ``CANDIDATES``: over the whole row in torch (a sort with top-p), then the
+  race.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 
 import kernels
 from kernels.sampling_candidates import race_candidates
+from kernels.sampling_nucleus import TOP_P_OFF, race_nucleus
 from kernels.sampling_race import race_rows
 from pegainfer.protocol import SamplingParams
 from worker_proc.logit_edits import (
@@ -77,7 +81,7 @@ GREEDY_TEMPERATURE = 1e-5
 CANDIDATES = 128
 # top_p of 1 (off) in a row beside top-p rows: a cumulative mass rounded past 1.0 must not
 # cut that row's last tokens.
-_TOP_P_OFF = 2.0
+_TOP_P_OFF = TOP_P_OFF
 _NO_SEED = -1
 
 
@@ -101,14 +105,14 @@ def has_filters(params: SamplingParams, vocab_size: int) -> bool:
 class RowGroup:
     """Sampled rows of a batch that take the same path, their settings as device tensors."""
 
-    path: str  # "race" (no filter), "candidates" or "filtered"
+    path: str  # "race" (no filter), "candidates", "nucleus" or "filtered"
     rows: torch.Tensor | None  # [n] rows of the batch; None: every row, in order
     inv_temperatures: torch.Tensor  # [n] float32
     keys: torch.Tensor  # [n] int64: the seed's 32-bit key, or -1
     top_k: torch.Tensor | None  # [n, 1] int64, 0 where off; None when no row uses it
     max_top_k: int
-    top_p: torch.Tensor | None  # [n, 1]; None when no row uses it
-    min_p: torch.Tensor | None  # [n, 1]; None when no row uses it
+    top_p: torch.Tensor | None  # [n, 1]; None when no row uses it (always there: nucleus)
+    min_p: torch.Tensor | None  # [n, 1]; None when no row uses it (always there: nucleus)
 
 
 @dataclass
@@ -157,6 +161,7 @@ def _group_arrays(
 
 def _group(path: str, arrays: list[np.ndarray], tensors: list[torch.Tensor], whole: bool):
     rows, inv_temps, keys, ks, ps, mps = tensors
+    every = path == "nucleus"  # its kernel reads both settings of every row
     return RowGroup(
         path=path,
         rows=None if whole else rows,
@@ -164,8 +169,8 @@ def _group(path: str, arrays: list[np.ndarray], tensors: list[torch.Tensor], who
         keys=keys,
         top_k=ks.unsqueeze(1) if arrays[3].any() else None,
         max_top_k=int(arrays[3].max()),
-        top_p=ps.unsqueeze(1) if (arrays[4] < 1.0).any() else None,
-        min_p=mps.unsqueeze(1) if (arrays[5] > 0.0).any() else None,
+        top_p=ps.unsqueeze(1) if every or (arrays[4] < 1.0).any() else None,
+        min_p=mps.unsqueeze(1) if every or (arrays[5] > 0.0).any() else None,
     )
 
 
@@ -221,7 +226,8 @@ class Sampler:
         paths = {
             "race": [i for i in sampled if i not in set(filtered)],
             "candidates": [i for i in filtered if 0 < top_ks[i] <= width],
-            "filtered": [i for i in filtered if not 0 < top_ks[i] <= width],
+            "nucleus": [i for i in filtered if top_ks[i] == 0],
+            "filtered": [i for i in filtered if top_ks[i] > width],
         }
         paths = {path: rows for path, rows in paths.items() if rows}
         arrays: list[np.ndarray] = []
@@ -255,6 +261,22 @@ class Sampler:
         scores = self._filter(logits * group.inv_temperatures.unsqueeze(1), group)
         ones = torch.ones_like(group.inv_temperatures)
         return race_rows(scores, ones, group.keys, positions, call_key)
+
+    def _draw_nucleus(
+        self, logits: torch.Tensor, group: RowGroup, positions: torch.Tensor, call_key: int
+    ) -> torch.Tensor:
+        """Tokens drawn over the whole row after its top-p and min-p cuts, found without a
+        sort (the logits as they are)."""
+        assert group.top_p is not None and group.min_p is not None
+        return race_nucleus(
+            logits,
+            group.inv_temperatures,
+            group.top_p.view(-1),
+            group.min_p.view(-1),
+            group.keys,
+            positions,
+            call_key,
+        )
 
     def _draw_candidates(
         self, logits: torch.Tensor, group: RowGroup, positions: torch.Tensor, call_key: int
@@ -378,6 +400,7 @@ class Sampler:
             draw = {
                 "race": self._race,
                 "candidates": self._draw_candidates,
+                "nucleus": self._draw_nucleus,
                 "filtered": self._draw_filtered,
             }[group.path]
             drawn = draw(rows_logits, group, rows_positions, call_key)
