@@ -19,20 +19,30 @@ two or three passes over the row against a sort of it. Ties to a score at the bo
 kept or cut together (a sort keeps some of them, in its own order). The noise is the race's,
 so a seeded row draws what the race over its filtered row would.
 
-One program a row. The reference is ``race_nucleus_ref``, the same search in torch.
+A row is split into chunks, one program each, as the race splits it: the first pass and
+``ROUNDS`` rounds are launches over every chunk, each row's last program to arrive reducing
+the chunks in chunk order (so the sums do not depend on which program ends last) and
+filing the row's state: its largest score and softmax sum, the draw, its score, and whether
+it stands. A round finds a row that stands and does nothing. The rare row still searching
+after them ends in one program of its own, which goes on round by round over its row.
+
+The reference is ``race_nucleus_ref``, the same search in torch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import sampling_race
-from kernels.backend import load_triton, triton_jit, use_triton
+from kernels import attention_merge, sampling_race
+from kernels.attention_merge import split_counters
+from kernels.backend import cdiv, load_triton, next_power_of_2, triton_jit, use_triton
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
 CHUNK = 4096
-NUM_WARPS = 8
+# Rounds over every chunk before a row still searching goes on in one program: most rows
+# stand after one or two.
+ROUNDS = 3
 # A row's top-p at this value is off: mass rounded past the sum must not cut a token.
 TOP_P_OFF = 2.0
 
@@ -86,76 +96,214 @@ def _row_scores(row_values, columns, vocab, inv_temperature):
 
 
 @triton_jit
-def _chunk_best(keyed, scores, columns, best, choice, bound):
-    """The running race: the chunk's best keyed entry replaces the one so far only when
-    strictly better, so ties go to the lowest column, as torch's argmax takes them."""
-    chunk_best = tl.max(keyed, axis=0)
-    chunk_choice = tl.min(tl.where(keyed == chunk_best, columns, 2147483647), axis=0)
-    chunk_score = tl.max(tl.where(columns == chunk_choice, scores, float("-inf")), axis=0)
-    better = chunk_best > best
-    return (
-        tl.where(better, chunk_best, best),
-        tl.where(better, chunk_choice, choice),
-        tl.where(better, chunk_score, bound),
+def _best(keyed, scores, columns):
+    """The best keyed entry (ties to the lowest column, as torch's argmax), its column and
+    its score."""
+    best = tl.max(keyed, axis=0)
+    choice = tl.min(tl.where(keyed == best, columns, 2147483647), axis=0)
+    score = tl.max(tl.where(columns == choice, scores, float("-inf")), axis=0)
+    return best, choice, score
+
+
+@triton_jit
+def _round_chunk(row_values, columns, vocab, inv_temperature, keys_ptr, positions_ptr, row,
+                 call_key, top, bound, floor):  # fmt: skip
+    """One chunk of a round: the mass above the bound (scaled by the row's largest score),
+    and the race over the scores above the bound and over the min-p floor."""
+    scores = _row_scores(row_values, columns, vocab, inv_temperature)
+    above = scores > bound
+    mass = tl.sum(tl.where(above, tl.exp(scores - top), 0.0), axis=0)
+    noise = sampling_race.log_noise(keys_ptr, positions_ptr, row, call_key, columns)
+    keyed = tl.where(above & (scores >= floor), scores - noise, float("-inf"))
+    best, choice, score = _best(keyed, scores, columns)
+    return mass, best, choice, score
+
+
+@triton_jit
+def _chunk_partials(partial_ptr, choice_ptr, first, num_chunks, CHUNKS_PAD: tl.constexpr):
+    """A row's chunks' four float partials and their draws, in chunk order (``.cg``: the
+    other programs' stores, never a stale L1)."""
+    chunks = tl.arange(0, CHUNKS_PAD)
+    in_row = chunks < num_chunks
+    slots = (first + chunks) * 4
+    a = tl.load(partial_ptr + slots, mask=in_row, other=float("-inf"), cache_modifier=".cg")
+    b = tl.load(partial_ptr + slots + 1, mask=in_row, other=0.0, cache_modifier=".cg")
+    best = tl.load(partial_ptr + slots + 2, mask=in_row, other=float("-inf"), cache_modifier=".cg")
+    score = tl.load(partial_ptr + slots + 3, mask=in_row, other=float("-inf"), cache_modifier=".cg")
+    choice = tl.load(
+        choice_ptr + first + chunks, mask=in_row, other=2147483647, cache_modifier=".cg"
     )
+    return a, b, best, score, choice
+
+
+@triton_jit
+def _reduce_best(bests, scores, choices):
+    best = tl.max(bests, axis=0)
+    choice = tl.min(tl.where(bests == best, choices, 2147483647), axis=0)
+    score = tl.max(tl.where(choices == choice, scores, float("-inf")), axis=0)
+    return choice, score
 
 
 # call_key changes at every call: specialized, its value would pick a variant.
 @triton_jit(do_not_specialize=("call_key",))
-def _nucleus_kernel(
+def _first_pass_kernel(
+    values_ptr,
+    inv_temperature_ptr,
+    keys_ptr,
+    positions_ptr,
+    partial_ptr,
+    partial_choice_ptr,
+    counters_ptr,
+    state_ptr,
+    state_choice_ptr,
+    call_key,
+    vocab,
+    stride_row,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+):
+    """The whole row: its largest score, its softmax sum and the race over it."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    columns = chunk * CHUNK + tl.arange(0, CHUNK)
+    scores = _row_scores(values_ptr + row * stride_row, columns, vocab,
+                         tl.load(inv_temperature_ptr + row))  # fmt: skip
+    top = tl.max(scores, axis=0)
+    total = tl.sum(tl.exp(scores - tl.where(top == float("-inf"), 0.0, top)), axis=0)
+    keyed = scores - sampling_race.log_noise(keys_ptr, positions_ptr, row, call_key, columns)
+    best, choice, score = _best(keyed, scores, columns)
+    slot = row * num_chunks + chunk
+    tl.store(partial_ptr + slot * 4, top)
+    tl.store(partial_ptr + slot * 4 + 1, total)
+    tl.store(partial_ptr + slot * 4 + 2, best)
+    tl.store(partial_ptr + slot * 4 + 3, score)
+    tl.store(partial_choice_ptr + slot, choice)
+    if attention_merge.arrive_last(counters_ptr + row, num_chunks):
+        tops, totals, bests, chunk_scores, choices = _chunk_partials(
+            partial_ptr, partial_choice_ptr, row * num_chunks, num_chunks, CHUNKS_PAD
+        )
+        top = tl.max(tops, axis=0)
+        shift = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.sum(totals * tl.exp(tops - shift), axis=0)
+        choice, score = _reduce_best(bests, chunk_scores, choices)
+        tl.store(state_ptr + row * 4, top)
+        tl.store(state_ptr + row * 4 + 1, total)
+        tl.store(state_ptr + row * 4 + 2, score)
+        tl.store(state_choice_ptr + row * 2, choice)
+        # A row of -inf (every token cut before) or holding +inf stands with the race's draw.
+        done = (top == float("inf")) | (top == float("-inf"))
+        tl.store(state_choice_ptr + row * 2 + 1, done.to(tl.int32))
+        tl.store(counters_ptr + row, 0)  # ready for the next launch
+
+
+@triton_jit
+def _row_state(state_ptr, state_choice_ptr, top_p_ptr, min_p_ptr, row):
+    top = tl.load(state_ptr + row * 4)
+    total = tl.load(state_ptr + row * 4 + 1)
+    bound = tl.load(state_ptr + row * 4 + 2)
+    choice = tl.load(state_choice_ptr + row * 2)
+    top_p = tl.load(top_p_ptr + row)
+    floor = top + tl.log(tl.load(min_p_ptr + row))
+    return top, top_p * total, top_p, bound, floor, choice
+
+
+@triton_jit(do_not_specialize=("call_key",))
+def _round_kernel(
     values_ptr,
     inv_temperature_ptr,
     top_p_ptr,
     min_p_ptr,
     keys_ptr,
     positions_ptr,
+    partial_ptr,
+    partial_choice_ptr,
+    counters_ptr,
+    state_ptr,
+    state_choice_ptr,
+    call_key,
+    vocab,
+    stride_row,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+):
+    """One round over every chunk of the rows still searching."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    if tl.load(state_choice_ptr + row * 2 + 1) == 0:
+        top, limit, top_p, bound, floor, choice = _row_state(
+            state_ptr, state_choice_ptr, top_p_ptr, min_p_ptr, row
+        )
+        columns = chunk * CHUNK + tl.arange(0, CHUNK)
+        mass, best, next_choice, next_bound = _round_chunk(
+            values_ptr + row * stride_row, columns, vocab, tl.load(inv_temperature_ptr + row),
+            keys_ptr, positions_ptr, row, call_key, top, bound, floor,
+        )  # fmt: skip
+        slot = row * num_chunks + chunk
+        tl.store(partial_ptr + slot * 4, mass)
+        tl.store(partial_ptr + slot * 4 + 2, best)
+        tl.store(partial_ptr + slot * 4 + 3, next_bound)
+        tl.store(partial_choice_ptr + slot, next_choice)
+        if attention_merge.arrive_last(counters_ptr + row, num_chunks):
+            masses, _, bests, bounds, choices = _chunk_partials(
+                partial_ptr, partial_choice_ptr, row * num_chunks, num_chunks, CHUNKS_PAD
+            )
+            mass = tl.sum(tl.where(masses == float("-inf"), 0.0, masses), axis=0)
+            stands = (mass <= limit) & (bound >= floor)
+            next_choice, next_bound = _reduce_best(bests, bounds, choices)
+            tl.store(state_ptr + row * 4 + 2, tl.where(stands, bound, next_bound))
+            tl.store(state_choice_ptr + row * 2, tl.where(stands, choice, next_choice))
+            # Without top-p the next draw, over the min-p floor, stands.
+            done = stands | (top_p >= 1.0)
+            tl.store(state_choice_ptr + row * 2 + 1, done.to(tl.int32))
+            tl.store(counters_ptr + row, 0)
+
+
+@triton_jit(do_not_specialize=("call_key",))
+def _finish_kernel(
+    values_ptr,
+    inv_temperature_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    keys_ptr,
+    positions_ptr,
+    state_ptr,
+    state_choice_ptr,
     out_ptr,
     call_key,
     vocab,
     stride_row,
     CHUNK: tl.constexpr,
 ):
+    """Each row's draw; a row still searching goes on alone, round by round."""
     row = tl.program_id(0).to(tl.int64)
     row_values = values_ptr + row * stride_row
     inv_temperature = tl.load(inv_temperature_ptr + row)
+    top, limit, top_p, bound, floor, choice = _row_state(
+        state_ptr, state_choice_ptr, top_p_ptr, min_p_ptr, row
+    )
+    done = tl.load(state_choice_ptr + row * 2 + 1)
     offsets = tl.arange(0, CHUNK)
-    top = tl.full((), float("-inf"), tl.float32)
-    total = tl.zeros((), tl.float32)
-    best = tl.full((), float("-inf"), tl.float32)
-    choice = tl.zeros((), tl.int32)
-    bound = tl.full((), float("-inf"), tl.float32)
-    for start in range(0, vocab, CHUNK):
-        columns = start + offsets
-        scores = _row_scores(row_values, columns, vocab, inv_temperature)
-        new_top = tl.maximum(top, tl.max(scores, axis=0))
-        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
-        total = total * tl.exp(top - shift) + tl.sum(tl.exp(scores - shift), axis=0)
-        top = new_top
-        keyed = scores - sampling_race.log_noise(keys_ptr, positions_ptr, row, call_key, columns)
-        best, choice, bound = _chunk_best(keyed, scores, columns, best, choice, bound)
-    limit = tl.load(top_p_ptr + row) * total
-    floor = top + tl.log(tl.load(min_p_ptr + row))
-    # A row of -inf (every token cut before) or holding +inf stands with the race's draw.
-    done = ((top == float("inf")) | (top == float("-inf"))).to(tl.int32)
     while done == 0:
         mass = tl.zeros((), tl.float32)
         next_best = tl.full((), float("-inf"), tl.float32)
         next_choice = choice
         next_bound = bound
         for start in range(0, vocab, CHUNK):
-            columns = start + offsets
-            scores = _row_scores(row_values, columns, vocab, inv_temperature)
-            above = scores > bound
-            mass += tl.sum(tl.where(above, tl.exp(scores - top), 0.0), axis=0)
-            noise = sampling_race.log_noise(keys_ptr, positions_ptr, row, call_key, columns)
-            keyed = tl.where(above & (scores >= floor), scores - noise, float("-inf"))
-            next_best, next_choice, next_bound = _chunk_best(
-                keyed, scores, columns, next_best, next_choice, next_bound
-            )
+            chunk_mass, best, chunk_choice, chunk_bound = _round_chunk(
+                row_values, start + offsets, vocab, inv_temperature, keys_ptr, positions_ptr,
+                row, call_key, top, bound, floor,
+            )  # fmt: skip
+            mass += chunk_mass
+            better = best > next_best
+            next_best = tl.where(better, best, next_best)
+            next_choice = tl.where(better, chunk_choice, next_choice)
+            next_bound = tl.where(better, chunk_bound, next_bound)
         stands = (mass <= limit) & (bound >= floor)
         choice = tl.where(stands, choice, next_choice)
         bound = tl.where(stands, bound, next_bound)
-        done = stands.to(tl.int32)
+        done = (stands | (top_p >= 1.0)).to(tl.int32)
     tl.store(out_ptr + row, choice.to(tl.int64))
 
 
@@ -168,7 +316,7 @@ def race_nucleus_triton(
     positions: torch.Tensor,
     call_key: int = 0,
     chunk: int = CHUNK,
-    num_warps: int = NUM_WARPS,
+    rounds: int = ROUNDS,
 ) -> torch.Tensor:
     if not 0 <= call_key < 2**31:  # an int32 argument always: one compiled variant
         raise ValueError(f"call_key must be in [0, 2**31), got {call_key}")
@@ -179,20 +327,33 @@ def race_nucleus_triton(
     if values.stride(-1) != 1:
         values = values.contiguous()
     load_triton()
-    _nucleus_kernel[(rows,)](
-        values,
-        inv_temperature.float().contiguous(),
-        top_p.float().contiguous(),
-        min_p.float().contiguous(),
-        keys.contiguous(),
-        positions.contiguous(),
-        out,
-        call_key,
-        vocab,
-        values.stride(0),
-        CHUNK=chunk,
-        num_warps=num_warps,
-    )
+    num_chunks = cdiv(vocab, chunk)
+    device = values.device
+    partial = torch.empty(rows * num_chunks * 4, dtype=torch.float32, device=device)
+    partial_choice = torch.empty(rows * num_chunks, dtype=torch.int32, device=device)
+    state = torch.empty(rows * 4, dtype=torch.float32, device=device)
+    state_choice = torch.empty(rows * 2, dtype=torch.int32, device=device)
+    counters = split_counters(rows, device)
+    inv_temperature = inv_temperature.float().contiguous()
+    top_p = top_p.float().contiguous()
+    min_p = min_p.float().contiguous()
+    keys = keys.contiguous()
+    positions = positions.contiguous()
+    shape = dict(CHUNK=chunk, CHUNKS_PAD=next_power_of_2(num_chunks), num_warps=4)
+    _first_pass_kernel[(rows, num_chunks)](
+        values, inv_temperature, keys, positions, partial, partial_choice, counters, state,
+        state_choice, call_key, vocab, values.stride(0), num_chunks, **shape,
+    )  # fmt: skip
+    for _ in range(rounds):
+        _round_kernel[(rows, num_chunks)](
+            values, inv_temperature, top_p, min_p, keys, positions, partial, partial_choice,
+            counters, state, state_choice, call_key, vocab, values.stride(0), num_chunks,
+            **shape,
+        )  # fmt: skip
+    _finish_kernel[(rows,)](
+        values, inv_temperature, top_p, min_p, keys, positions, state, state_choice, out,
+        call_key, vocab, values.stride(0), CHUNK=chunk, num_warps=8,
+    )  # fmt: skip
     return out
 
 

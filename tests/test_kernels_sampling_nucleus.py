@@ -10,6 +10,7 @@ import torch
 from triton_test_util import CUDA, DEVICE, SEED, gen, poisoned, randn, requires_triton
 
 from kernels.sampling_nucleus import (
+    ROUNDS,
     TOP_P_OFF,
     race_nucleus,
     race_nucleus_ref,
@@ -79,22 +80,25 @@ def test_the_reference_draws_what_the_sorted_cut_and_race_draw(rows, vocab, scal
         assert keep.gather(1, drawn.unsqueeze(1)).all(), f"seed {SEED}: a cut token drawn"
 
 
-def run(values, inv_temperature, top_p, min_p, keys, positions, call_key: int = 0):
+def run(values, inv_temperature, top_p, min_p, keys, positions, call_key: int = 0, rounds=None):
     with poisoned():
         return race_nucleus_triton(
-            values, inv_temperature, top_p, min_p, keys, positions, call_key, chunk=CHUNK
-        )
+            values, inv_temperature, top_p, min_p, keys, positions, call_key, chunk=CHUNK,
+            rounds=ROUNDS if rounds is None else rounds,
+        )  # fmt: skip
 
 
+# rounds: 0 leaves every row's search to its one program after the first pass; 1 most rows.
+@pytest.mark.parametrize("rounds", [0, 1, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "rows, vocab", [(1, 50), (5, 1000), (7, 64 * 9)] + ([(8, 151936), (64, 151936)] if CUDA else [])
 )
-def test_the_kernel_matches_the_reference(dtype, rows, vocab):
+def test_the_kernel_matches_the_reference(dtype, rows, vocab, rounds):
     values = randn(rows, vocab, g=gen(4), dtype=dtype, scale=3.0)
     inv_temperature, top_p, min_p, keys, positions = settings(rows, SEED + 1)
     call_key = SEED % 2**31
-    tokens = run(values, inv_temperature, top_p, min_p, keys, positions, call_key)
+    tokens = run(values, inv_temperature, top_p, min_p, keys, positions, call_key, rounds)
     expected = race_nucleus_ref(values, inv_temperature, top_p, min_p, keys, positions, call_key)
     assert tokens.dtype == torch.int64
     # The kernel's sums and logs may round apart from torch's: only a near-tie could differ.
@@ -112,11 +116,13 @@ def test_rows_of_inf_nan_and_every_token_cut():
     values[3, [5, 3 * CHUNK]] = 1.0  # two equal survivors
     inv_temperature, top_p, min_p, keys, positions = settings(4, SEED + 2)
     top_p[:] = 0.5
-    tokens = run(values, inv_temperature, top_p, min_p, keys, positions).tolist()
-    assert tokens[:3] == [0, 7, CHUNK + 2], f"seed {SEED}"
-    assert tokens[3] in (5, 3 * CHUNK), f"seed {SEED}"
     ref = race_nucleus_ref(values, inv_temperature, top_p, min_p, keys, positions).tolist()
-    assert ref == tokens
+    for rounds in (0, 1, ROUNDS):
+        tokens = run(values, inv_temperature, top_p, min_p, keys, positions, rounds=rounds)
+        tokens = tokens.tolist()
+        assert tokens[:3] == [0, 7, CHUNK + 2], f"seed {SEED}"
+        assert tokens[3] in (5, 3 * CHUNK), f"seed {SEED}"
+        assert ref == tokens
 
 
 def test_a_rows_draw_depends_on_its_own_settings_only():
