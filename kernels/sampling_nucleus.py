@@ -149,6 +149,8 @@ def _reduce_best(bests, scores, choices):
 def _first_pass_kernel(
     values_ptr,
     inv_temperature_ptr,
+    top_p_ptr,
+    min_p_ptr,
     keys_ptr,
     positions_ptr,
     partial_ptr,
@@ -191,8 +193,11 @@ def _first_pass_kernel(
         tl.store(state_ptr + row * 4 + 1, total)
         tl.store(state_ptr + row * 4 + 2, score)
         tl.store(state_choice_ptr + row * 2, choice)
-        # A row of -inf (every token cut before) or holding +inf stands with the race's draw.
+        # A row of -inf (every token cut before) or holding +inf stands with the race's draw,
+        # and so does a draw without top-p over its min-p floor.
         done = (top == float("inf")) | (top == float("-inf"))
+        floor = top + tl.log(tl.load(min_p_ptr + row))
+        done |= (tl.load(top_p_ptr + row) >= 1.0) & (score >= floor)
         tl.store(state_choice_ptr + row * 2 + 1, done.to(tl.int32))
         tl.store(counters_ptr + row, 0)  # ready for the next launch
 
@@ -341,7 +346,7 @@ def race_nucleus_triton(
     positions = positions.contiguous()
     shape = dict(CHUNK=chunk, CHUNKS_PAD=next_power_of_2(num_chunks), num_warps=4)
     _first_pass_kernel[(rows, num_chunks)](
-        values, inv_temperature, keys, positions, partial, partial_choice, counters, state,
+        values, inv_temperature, top_p, min_p, keys, positions, partial, partial_choice, counters, state,
         state_choice, call_key, vocab, values.stride(0), num_chunks, **shape,
     )  # fmt: skip
     for _ in range(rounds):
