@@ -144,64 +144,6 @@ def _reduce_best(bests, scores, choices):
     return choice, score
 
 
-# call_key changes at every call: specialized, its value would pick a variant.
-@triton_jit(do_not_specialize=("call_key",))
-def _first_pass_kernel(
-    values_ptr,
-    inv_temperature_ptr,
-    top_p_ptr,
-    min_p_ptr,
-    keys_ptr,
-    positions_ptr,
-    partial_ptr,
-    partial_choice_ptr,
-    counters_ptr,
-    state_ptr,
-    state_choice_ptr,
-    call_key,
-    vocab,
-    stride_row,
-    num_chunks,
-    CHUNK: tl.constexpr,
-    CHUNKS_PAD: tl.constexpr,
-):
-    """The whole row: its largest score, its softmax sum and the race over it."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    columns = chunk * CHUNK + tl.arange(0, CHUNK)
-    scores = _row_scores(values_ptr + row * stride_row, columns, vocab,
-                         tl.load(inv_temperature_ptr + row))  # fmt: skip
-    top = tl.max(scores, axis=0)
-    total = tl.sum(tl.exp(scores - tl.where(top == float("-inf"), 0.0, top)), axis=0)
-    keyed = scores - sampling_race.log_noise(keys_ptr, positions_ptr, row, call_key, columns)
-    best, choice, score = _best(keyed, scores, columns)
-    slot = row * num_chunks + chunk
-    tl.store(partial_ptr + slot * 4, top)
-    tl.store(partial_ptr + slot * 4 + 1, total)
-    tl.store(partial_ptr + slot * 4 + 2, best)
-    tl.store(partial_ptr + slot * 4 + 3, score)
-    tl.store(partial_choice_ptr + slot, choice)
-    if attention_merge.arrive_last(counters_ptr + row, num_chunks):
-        tops, totals, bests, chunk_scores, choices = _chunk_partials(
-            partial_ptr, partial_choice_ptr, row * num_chunks, num_chunks, CHUNKS_PAD
-        )
-        top = tl.max(tops, axis=0)
-        shift = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.sum(totals * tl.exp(tops - shift), axis=0)
-        choice, score = _reduce_best(bests, chunk_scores, choices)
-        tl.store(state_ptr + row * 4, top)
-        tl.store(state_ptr + row * 4 + 1, total)
-        tl.store(state_ptr + row * 4 + 2, score)
-        tl.store(state_choice_ptr + row * 2, choice)
-        # A row of -inf (every token cut before) or holding +inf stands with the race's draw,
-        # and so does a draw without top-p over its min-p floor.
-        done = (top == float("inf")) | (top == float("-inf"))
-        floor = top + tl.log(tl.load(min_p_ptr + row))
-        done |= (tl.load(top_p_ptr + row) >= 1.0) & (score >= floor)
-        tl.store(state_choice_ptr + row * 2 + 1, done.to(tl.int32))
-        tl.store(counters_ptr + row, 0)  # ready for the next launch
-
-
 @triton_jit
 def _row_state(state_ptr, state_choice_ptr, top_p_ptr, min_p_ptr, row):
     top = tl.load(state_ptr + row * 4)
@@ -213,8 +155,9 @@ def _row_state(state_ptr, state_choice_ptr, top_p_ptr, min_p_ptr, row):
     return top, top_p * total, top_p, bound, floor, choice
 
 
+# call_key changes at every call: specialized, its value would pick a variant.
 @triton_jit(do_not_specialize=("call_key",))
-def _round_kernel(
+def _pass_kernel(
     values_ptr,
     inv_temperature_ptr,
     top_p_ptr,
@@ -232,20 +175,53 @@ def _round_kernel(
     num_chunks,
     CHUNK: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,
+    FIRST: tl.constexpr,
 ):
-    """One round over every chunk of the rows still searching."""
+    """One pass over every chunk of a row. FIRST: the row's largest score, its softmax sum
+    and the race over it all. Otherwise a round, in the rows still searching."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    if tl.load(state_choice_ptr + row * 2 + 1) == 0:
+    columns = chunk * CHUNK + tl.arange(0, CHUNK)
+    row_values = values_ptr + row * stride_row
+    slot = row * num_chunks + chunk
+    if FIRST:
+        scores = _row_scores(row_values, columns, vocab, tl.load(inv_temperature_ptr + row))
+        top = tl.max(scores, axis=0)
+        total = tl.sum(tl.exp(scores - tl.where(top == float("-inf"), 0.0, top)), axis=0)
+        noise = sampling_race.log_noise(keys_ptr, positions_ptr, row, call_key, columns)
+        best, choice, score = _best(scores - noise, scores, columns)
+        tl.store(partial_ptr + slot * 4, top)
+        tl.store(partial_ptr + slot * 4 + 1, total)
+        tl.store(partial_ptr + slot * 4 + 2, best)
+        tl.store(partial_ptr + slot * 4 + 3, score)
+        tl.store(partial_choice_ptr + slot, choice)
+        if attention_merge.arrive_last(counters_ptr + row, num_chunks):
+            tops, totals, bests, chunk_scores, choices = _chunk_partials(
+                partial_ptr, partial_choice_ptr, row * num_chunks, num_chunks, CHUNKS_PAD
+            )
+            top = tl.max(tops, axis=0)
+            shift = tl.where(top == float("-inf"), 0.0, top)
+            total = tl.sum(totals * tl.exp(tops - shift), axis=0)
+            choice, score = _reduce_best(bests, chunk_scores, choices)
+            tl.store(state_ptr + row * 4, top)
+            tl.store(state_ptr + row * 4 + 1, total)
+            tl.store(state_ptr + row * 4 + 2, score)
+            tl.store(state_choice_ptr + row * 2, choice)
+            # A row of -inf (every token cut before) or holding +inf stands with the race's
+            # draw, and so does a draw without top-p over its min-p floor.
+            done = (top == float("inf")) | (top == float("-inf"))
+            floor = top + tl.log(tl.load(min_p_ptr + row))
+            done |= (tl.load(top_p_ptr + row) >= 1.0) & (score >= floor)
+            tl.store(state_choice_ptr + row * 2 + 1, done.to(tl.int32))
+            tl.store(counters_ptr + row, 0)  # ready for the next launch
+    elif tl.load(state_choice_ptr + row * 2 + 1) == 0:
         top, limit, top_p, bound, floor, choice = _row_state(
             state_ptr, state_choice_ptr, top_p_ptr, min_p_ptr, row
         )
-        columns = chunk * CHUNK + tl.arange(0, CHUNK)
         mass, best, next_choice, next_bound = _round_chunk(
-            values_ptr + row * stride_row, columns, vocab, tl.load(inv_temperature_ptr + row),
-            keys_ptr, positions_ptr, row, call_key, top, bound, floor,
+            row_values, columns, vocab, tl.load(inv_temperature_ptr + row), keys_ptr,
+            positions_ptr, row, call_key, top, bound, floor,
         )  # fmt: skip
-        slot = row * num_chunks + chunk
         tl.store(partial_ptr + slot * 4, mass)
         tl.store(partial_ptr + slot * 4 + 2, best)
         tl.store(partial_ptr + slot * 4 + 3, next_bound)
@@ -344,17 +320,12 @@ def race_nucleus_triton(
     min_p = min_p.float().contiguous()
     keys = keys.contiguous()
     positions = positions.contiguous()
+    args = (values, inv_temperature, top_p, min_p, keys, positions, partial, partial_choice,
+            counters, state, state_choice, call_key, vocab, values.stride(0), num_chunks)  # fmt: skip
     shape = dict(CHUNK=chunk, CHUNKS_PAD=next_power_of_2(num_chunks), num_warps=4)
-    _first_pass_kernel[(rows, num_chunks)](
-        values, inv_temperature, top_p, min_p, keys, positions, partial, partial_choice, counters, state,
-        state_choice, call_key, vocab, values.stride(0), num_chunks, **shape,
-    )  # fmt: skip
+    _pass_kernel[(rows, num_chunks)](*args, **shape, FIRST=True)
     for _ in range(rounds):
-        _round_kernel[(rows, num_chunks)](
-            values, inv_temperature, top_p, min_p, keys, positions, partial, partial_choice,
-            counters, state, state_choice, call_key, vocab, values.stride(0), num_chunks,
-            **shape,
-        )  # fmt: skip
+        _pass_kernel[(rows, num_chunks)](*args, **shape, FIRST=False)
     _finish_kernel[(rows,)](
         values, inv_temperature, top_p, min_p, keys, positions, state, state_choice, out,
         call_key, vocab, values.stride(0), CHUNK=chunk, num_warps=8,
