@@ -153,11 +153,14 @@ def _full_path_only(monkeypatch) -> None:
     monkeypatch.setattr(sampler_module, "CANDIDATES", 0)
 
 
-def test_candidate_path_draws_what_the_whole_vocabulary_draws(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_candidate_path_draws_what_the_whole_vocabulary_draws(monkeypatch, dtype):
     """Rows with a top-k of at most CANDIDATES are drawn from their largest scores only:
-    the same tokens as the draw over the whole vocabulary, for every filter combination."""
+    the same tokens as the draw over the whole vocabulary, for every filter combination,
+    whether the logits come as the model's bfloat16 or as float32."""
     vocab, rows = 5000, 96
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(11)) * 3
+    logits = logits.to(dtype)
     settings = [
         SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
         SamplingParams(temperature=1.0, top_k=50),
