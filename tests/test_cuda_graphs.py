@@ -84,6 +84,30 @@ def test_decode_graphs_take_the_argmax_of_their_logits(writes_out):
         assert torch.equal(graphs.greedy_tokens[:size], logits.argmax(dim=-1))
 
 
+def test_capture_order_real_largest_first_compile_only_smallest_first(monkeypatch):
+    """Real captures go largest first (one warm-up's cached blocks serve the next); a
+    compile-only pass goes smallest first and runs the input loader before any size, so that
+    the kernels only small batches launch are met (and start compiling) early."""
+    from worker_proc.cuda_graphs import DecodeGraphs
+    from worker_proc.graph_capture import CompileOnlyBackend
+
+    events: list[object] = []
+    monkeypatch.setattr(DecodeGraphs, "_compile_loader", lambda self: events.append("loader"))
+
+    def forward_logits(input_ids, positions, out):
+        events.append(len(input_ids))
+        return out
+
+    for backend, expected in (
+        (EagerGraphBackend(), [8, 4, 2, 1, "loader"]),
+        (CompileOnlyBackend(), ["loader", 1, 2, 4, 8]),
+    ):
+        events.clear()
+        graphs = DecodeGraphs([1, 2, 4, 8], 4, 64, 50, torch.float32, torch.device("cpu"))
+        graphs.capture(forward_logits, backend)
+        assert events == expected
+
+
 def test_prefill_graph_for_a_batch_has_room_for_its_sequences():
     """Graphs from 512 tokens hold every sequence of a mixed step (up to ``max_seqs``);
     smaller ones hold four, so few tokens in many sequences go up to the 512-token graph."""
