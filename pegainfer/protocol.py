@@ -11,85 +11,34 @@ bytes (``pack_ids``), never as lists of Python ints.
 
 from __future__ import annotations
 
-import struct
-import sys
-from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from pegainfer.wire import MAX_MESSAGE_BYTES, ProtocolError, decode, encode, message
+from pegainfer.wire import (
+    MAX_MESSAGE_BYTES,
+    ProtocolError,
+    decode,
+    encode,
+    message,
+    pack_floats,
+    pack_ids,
+    unpack_floats,
+    unpack_ids,
+    unpack_ids_array,
+)
 
-__all__ = ["MAX_MESSAGE_BYTES", "ProtocolError", "decode", "encode", "message"]
-
-# ---------------------------------------------------------------------------
-# Packed token ids
-# ---------------------------------------------------------------------------
-
-
-# Lists up to this long are packed by a ``struct.Struct`` kept per length: a step's columns
-# (a few per step, batch-sized) pack several times faster that way than through ``array``.
-_STRUCT_PACKED_MAX = 1024
-_INT32_STRUCTS: dict[int, struct.Struct] = {}
-
-
-def pack_ids(ids: Any) -> bytes:
-    """Pack a sequence of ints (list, array, numpy or torch int tensor on CPU) as int32 bytes."""
-    if type(ids) is list and len(ids) <= _STRUCT_PACKED_MAX:
-        packer = _INT32_STRUCTS.get(len(ids))
-        if packer is None:
-            packer = _INT32_STRUCTS[len(ids)] = struct.Struct(f"<{len(ids)}i")
-        try:
-            return packer.pack(*ids)
-        except struct.error:
-            pass  # not int32s: the array below raises its usual error
-    if isinstance(ids, (bytes, bytearray)):
-        return bytes(ids)
-    if hasattr(ids, "numpy"):  # torch tensor on the CPU
-        ids = ids.numpy()
-    if hasattr(ids, "astype"):  # numpy array
-        return ids.astype("<i4", copy=False).tobytes()
-    packed = array("i", ids)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def unpack_ids_array(data: bytes) -> array:
-    """Packed int32 ids as an int32 array (one copy of the bytes, no int object per id)."""
-    if len(data) % 4:
-        raise ProtocolError(f"packed id buffer of {len(data)} bytes is not a multiple of 4")
-    unpacked = array("i")
-    unpacked.frombytes(data)
-    if sys.byteorder != "little":
-        unpacked.byteswap()
-    return unpacked
-
-
-def unpack_ids(data: bytes) -> list[int]:
-    return unpack_ids_array(data).tolist()
-
-
-def pack_floats(values: Any) -> bytes:
-    """Pack a sequence of floats (list, numpy or CPU torch tensor) as little-endian float32."""
-    if hasattr(values, "numpy"):
-        values = values.numpy()
-    if hasattr(values, "astype"):
-        return values.astype("<f4", copy=False).tobytes()
-    packed = array("f", values)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def unpack_floats(data: bytes) -> list[float]:
-    if len(data) % 4:
-        raise ProtocolError(f"packed float buffer of {len(data)} bytes is not a multiple of 4")
-    unpacked = array("f")
-    unpacked.frombytes(data)
-    if sys.byteorder != "little":
-        unpacked.byteswap()
-    return unpacked.tolist()
-
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "ProtocolError",
+    "decode",
+    "encode",
+    "message",
+    "pack_floats",
+    "pack_ids",
+    "unpack_floats",
+    "unpack_ids",
+    "unpack_ids_array",
+]
 
 # ---------------------------------------------------------------------------
 # Records nested inside messages

@@ -2,15 +2,20 @@
 
 A message is a dataclass registered with ``@message(tag)``; a nested record (a non-message
 dataclass) is an array of its fields. ``decode`` checks the tag, the field count and the basic
-type of every field, and raises ``ProtocolError`` on anything malformed.
+type of every field, and raises ``ProtocolError`` on anything malformed. Token ids and other
+long number columns travel packed as little-endian 32-bit bytes (``pack_ids``,
+``pack_floats``), never as lists of Python ints.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
+import struct
+import sys
 import types
 import typing
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
@@ -289,3 +294,73 @@ def decode(data: bytes, expected: tuple[type, ...] | None = None) -> Any:
     if expected is not None and cls not in expected:
         raise ProtocolError(f"{cls.__name__} is not accepted on this socket")
     return _record_decoder(cls)(raw[1:], cls.__name__)
+
+
+# ---------------------------------------------------------------------------
+# Packed number columns
+# ---------------------------------------------------------------------------
+
+
+# Lists up to this long are packed by a ``struct.Struct`` kept per length: a step's columns
+# (a few per step, batch-sized) pack several times faster that way than through ``array``.
+_STRUCT_PACKED_MAX = 1024
+_INT32_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def pack_ids(ids: Any) -> bytes:
+    """Pack a sequence of ints (list, array, numpy or torch int tensor on CPU) as int32 bytes."""
+    if type(ids) is list and len(ids) <= _STRUCT_PACKED_MAX:
+        packer = _INT32_STRUCTS.get(len(ids))
+        if packer is None:
+            packer = _INT32_STRUCTS[len(ids)] = struct.Struct(f"<{len(ids)}i")
+        try:
+            return packer.pack(*ids)
+        except struct.error:
+            pass  # not int32s: the array below raises its usual error
+    if isinstance(ids, (bytes, bytearray)):
+        return bytes(ids)
+    if hasattr(ids, "numpy"):  # torch tensor on the CPU
+        ids = ids.numpy()
+    if hasattr(ids, "astype"):  # numpy array
+        return ids.astype("<i4", copy=False).tobytes()
+    packed = array("i", ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_ids_array(data: bytes) -> array:
+    """Packed int32 ids as an int32 array (one copy of the bytes, no int object per id)."""
+    if len(data) % 4:
+        raise ProtocolError(f"packed id buffer of {len(data)} bytes is not a multiple of 4")
+    unpacked = array("i")
+    unpacked.frombytes(data)
+    if sys.byteorder != "little":
+        unpacked.byteswap()
+    return unpacked
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    return unpack_ids_array(data).tolist()
+
+
+def pack_floats(values: Any) -> bytes:
+    """Pack a sequence of floats (list, numpy or CPU torch tensor) as little-endian float32."""
+    if hasattr(values, "numpy"):
+        values = values.numpy()
+    if hasattr(values, "astype"):
+        return values.astype("<f4", copy=False).tobytes()
+    packed = array("f", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_floats(data: bytes) -> list[float]:
+    if len(data) % 4:
+        raise ProtocolError(f"packed float buffer of {len(data)} bytes is not a multiple of 4")
+    unpacked = array("f")
+    unpacked.frombytes(data)
+    if sys.byteorder != "little":
+        unpacked.byteswap()
+    return unpacked.tolist()
