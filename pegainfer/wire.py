@@ -331,13 +331,7 @@ def pack_ids(ids: Any) -> bytes:
 
 def unpack_ids_array(data: bytes) -> array:
     """Packed int32 ids as an int32 array (one copy of the bytes, no int object per id)."""
-    if len(data) % 4:
-        raise ProtocolError(f"packed id buffer of {len(data)} bytes is not a multiple of 4")
-    unpacked = array("i")
-    unpacked.frombytes(data)
-    if sys.byteorder != "little":
-        unpacked.byteswap()
-    return unpacked
+    return _unpacked(data, "i", "id")
 
 
 def unpack_ids(data: bytes) -> list[int]:
@@ -357,10 +351,15 @@ def pack_floats(values: Any) -> bytes:
 
 
 def unpack_floats(data: bytes) -> list[float]:
+    return _unpacked(data, "f", "float").tolist()
+
+
+def _unpacked(data: bytes, typecode: str, what: str) -> array:
+    """Little-endian 32-bit values (``typecode`` "i" or "f") as an array of this machine's."""
     if len(data) % 4:
-        raise ProtocolError(f"packed float buffer of {len(data)} bytes is not a multiple of 4")
-    unpacked = array("f")
+        raise ProtocolError(f"packed {what} buffer of {len(data)} bytes is not a multiple of 4")
+    unpacked = array(typecode)
     unpacked.frombytes(data)
     if sys.byteorder != "little":
         unpacked.byteswap()
-    return unpacked.tolist()
+    return unpacked
