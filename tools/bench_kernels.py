@@ -168,7 +168,7 @@ def cases(device: torch.device, quick: bool) -> list[tuple[str, Callable, Callab
             )
         )
 
-    from kernels import sampling_candidates, sampling_nucleus, sampling_race
+    from kernels import sampling_candidates, sampling_nucleus, sampling_race, top_candidates
 
     for batch in (1, 8, 64) if quick else (1, 8, 64, 256):
         logits = torch.randn(batch, VOCAB, dtype=DTYPE, device=device) * 3
@@ -185,6 +185,15 @@ def cases(device: torch.device, quick: bool) -> list[tuple[str, Callable, Callab
                 lambda a=race_args: sampling_race.race_rows_triton(*a),
                 lambda a=race_args: sampling_race.race_rows_ref(*a),
                 logits.numel() * ELEM,
+                0.0,
+            )
+        )
+        rows.append(
+            (
+                f"top 128 candidates B={batch}",
+                lambda x=logits: top_candidates.top_candidates_triton(x, 128),
+                lambda x=logits: top_candidates.top_candidates_ref(x, 128),
+                2 * logits.numel() * ELEM,
                 0.0,
             )
         )

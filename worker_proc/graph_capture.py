@@ -27,6 +27,7 @@ from kernels.host_copy import copy_pinned, tokens_out
 from kernels.sampling_candidates import race_candidates
 from kernels.sampling_nucleus import race_nucleus
 from kernels.sampling_race import race_rows
+from kernels.top_candidates import top_candidates
 from pegainfer.config import EngineConfig
 from pegainfer.startup_timeline import StartupTimeline
 from worker_proc.cuda_graphs import DecodeGraphs, GraphBackend, Replay, capture_sizes
@@ -164,8 +165,8 @@ def compile_graph_kernels(
 
     def outside_graphs() -> None:
         # The sampler's kernels, which no graph takes: the argmax of penalised (float32)
-        # rows, and the race and the top-p / min-p search over the model's logits and over
-        # edited float32 ones; and every step's upload and token readback
+        # rows, and the race, the top-p / min-p search and the top candidates over the model's
+        # logits and over edited float32 ones; and every step's upload and token readback
         # (kernels/host_copy.py): one variant each.
         kernels.argmax_rows(torch.empty((1, vocab_size), dtype=torch.float32, device=device))
         row = torch.zeros(1, dtype=torch.int64, device=device)
@@ -174,6 +175,7 @@ def compile_graph_kernels(
             race_rows(values, torch.ones(1, device=device), row, row, 0)
             ones = torch.ones(1, device=device)
             race_nucleus(values, ones, ones, ones, row, row, 0)
+            top_candidates(values, min(CANDIDATES, vocab_size))
         # The candidate path's four variants (with and without top-p, min-p).
         width = min(CANDIDATES, vocab_size)
         values = torch.zeros((1, width), device=device)

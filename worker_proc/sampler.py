@@ -22,8 +22,9 @@ Four paths, each row's set by its own settings (so a seeded row draws the same t
 whatever batch it is in):
 - no filter (temperature alone, the API's default): one pass over the row, the race kernel
   (kernels/sampling_race.py), which makes the noise as it reads;
-- top-k of at most ``CANDIDATES`` (Qwen3's recommended 20, say): one ``topk`` finds the
-  row's ``CANDIDATES`` largest scores, and the cuts and the draw run over those alone;
+- top-k of at most ``CANDIDATES`` (Qwen3's recommended 20, say): the row's ``CANDIDATES``
+  largest scores are found (kernels/top_candidates.py, two passes over the row), and the cuts
+  and the draw run over those alone;
 - top-p or min-p without top-k: the race over the row searched for its cut without a sort
   (kernels/sampling_nucleus.py), two or three passes over the row;
 - a top-k past ``CANDIDATES``: over the whole row in torch (a sort with top-p), then the
@@ -41,6 +42,7 @@ import kernels
 from kernels.sampling_candidates import race_candidates
 from kernels.sampling_nucleus import TOP_P_OFF, race_nucleus
 from kernels.sampling_race import race_rows
+from kernels.top_candidates import top_candidates
 from pegainfer.protocol import SamplingParams
 from worker_proc.logit_edits import (
     AllowedTokens,
@@ -285,10 +287,10 @@ class Sampler:
         has a top-k of at most that many, so nothing outside them can be drawn)."""
         assert group.top_k is not None
         # A positive scale keeps the order (distinct logits stay distinct in float32), so the
-        # candidates are found among the logits as they are (the model's dtype: fewer radix
-        # passes, and no scaled copy of the whole row), and only they are scaled.
-        values, ids = logits.topk(min(CANDIDATES, logits.shape[1]), dim=-1)  # descending
-        values = values.float() * group.inv_temperatures.unsqueeze(1)
+        # candidates are found among the logits as they are (the model's dtype, and no scaled
+        # copy of the whole row), and only they are scaled.
+        values, ids = top_candidates(logits, min(CANDIDATES, logits.shape[1]))  # descending
+        values = values * group.inv_temperatures.unsqueeze(1)
         return race_candidates(
             values,
             ids,

@@ -1,0 +1,241 @@
+"""Each row's ``k`` largest values and their column ids, sorted descending, without a
+radix select over the whole row.
+
+The sampler's candidate path (Qwen3's recommended top-k 20) draws from each row's 128 largest
+logits. ``torch.topk`` over a 152k-entry vocabulary runs radix passes over every row, at a
+small share of the memory bandwidth on large batches. Here the row is read twice:
+
+1. The row's columns fall into ``GROUPS`` strided groups (column mod ``GROUPS``), and each
+   group's largest value is found. These are ``GROUPS`` distinct entries of the row, so the
+   ``k``-th largest of them is a lower bound of the row's ``k``-th largest value: every one of
+   the row's top ``k`` is at least that bound. On random rows of Qwen3's vocabulary with 256
+   groups, about 180 entries pass a bound of ``k`` 128 (at most 213 over 2,000 rows).
+2. The entries at or over the bound (and above -inf) are gathered, in any order, into
+   ``SLOTS`` slots a row; ``topk`` over those slots sorts out the row's ``k``.
+
+A row is split into chunks of ``CHUNK`` columns, one program each. The last program of a row
+to arrive (kernels/attention_merge.py's ``arrive_last``) reduces the chunks' group maxima to
+the bound, in the first launch, and counts the gathered entries, in the second. A row whose
+entries over its bound do not fit its slots (a row of many equal values, or one with more
+than ``SLOTS`` finite values and fewer than ``k`` groups holding any) is redone by that last
+program alone, exactly: a bit-by-bit search of the ``k``-th largest value over the row's
+values as ordered integers, then the entries above it and as many entries equal to it as
+the ``k`` leave, in column order. Ties at the ``k``-th value may so keep other columns than
+``topk`` would, which is free to keep any.
+
+A row with fewer than ``k`` finite values gets -inf for the rest, with column 0. NaN values
+are never gathered. The reference is ``top_candidates_ref``, ``torch.topk``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import attention_merge
+from kernels.attention_merge import split_counters
+from kernels.backend import cdiv, load_triton, next_power_of_2, triton_jit, use_triton
+
+tl = None  # bound to triton.language by kernels.backend.load_triton()
+
+GROUPS = 256
+CHUNK = 8192  # a multiple of GROUPS
+# Columns a program of the gathering launch reads: its prefix sum over them holds registers.
+GATHER_CHUNK = 2048
+SLOTS = 1024
+# Columns a program reads at once when it redoes an overflowing row alone.
+EXACT_BLOCK = 1024
+
+
+def top_candidates_ref(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values [rows, vocab]`` (any float dtype), ``k <= vocab`` -> ``(top [rows, k]``
+    float32 sorted descending, ``ids [rows, k]`` int64 columns)."""
+    top, ids = values.topk(k, dim=-1)
+    return top.float(), ids
+
+
+@triton_jit
+def _group_max_kernel(
+    values_ptr,
+    partial_ptr,
+    bound_ptr,
+    slot_values_ptr,
+    slot_ids_ptr,
+    counters_ptr,
+    vocab,
+    stride_row,
+    num_chunks,
+    k,
+    GROUPS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SLOTS: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """Each chunk's group maxima; the row's last program reduces them to the row's bound.
+    Each program also empties its share of the row's slots for the gathering launch."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    groups = tl.arange(0, GROUPS)
+    columns = chunk * CHUNK + tl.arange(0, CHUNK // GROUPS)[:, None] * GROUPS + groups[None, :]
+    tile = tl.load(
+        values_ptr + row * stride_row + columns, mask=columns < vocab, other=float("-inf")
+    )
+    tl.store(partial_ptr + (row * num_chunks + chunk) * GROUPS + groups, tl.max(tile, axis=0))
+    fill = chunk + num_chunks * tl.arange(0, FILL)
+    tl.store(slot_values_ptr + row * SLOTS + fill, float("-inf"), mask=fill < SLOTS)
+    tl.store(slot_ids_ptr + row * SLOTS + fill, 0, mask=fill < SLOTS)
+    if attention_merge.arrive_last(counters_ptr + row * 3, num_chunks):
+        maxima = tl.full((GROUPS,), float("-inf"), tl.float32)
+        for other in range(num_chunks):
+            partial = tl.load(
+                partial_ptr + (row * num_chunks + other) * GROUPS + groups, cache_modifier=".cg"
+            )
+            maxima = tl.maximum(maxima, partial.to(tl.float32))
+        ordered = tl.sort(maxima, descending=True)
+        tl.store(bound_ptr + row, tl.max(tl.where(groups == k - 1, ordered, float("-inf")), 0))
+        tl.store(counters_ptr + row * 3, 0)  # ready for the next launch
+
+
+@triton_jit
+def _ordered_keys(values):
+    """Float values as int64 keys of the same order, in [0, 2**32)."""
+    bits = values.to(tl.float32).to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
+
+
+@triton_jit
+def _exact_row(
+    row_values, vocab, k, slot_values, slot_ids, SLOTS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Write the row's ``k`` largest values (ties in column order) to its first slots, -inf
+    to the rest: one program, bit by bit over the values' ordered keys."""
+    offsets = tl.arange(0, BLOCK)
+    kth = tl.zeros((), tl.int64)  # the largest key with at least k keys at or above it
+    for step in range(32):
+        trial = kth | (tl.full((), 1, tl.int64) << (31 - step))
+        count = tl.zeros((), tl.int32)
+        for start in range(0, vocab, BLOCK):
+            columns = start + offsets
+            keys = _ordered_keys(tl.load(row_values + columns, mask=columns < vocab, other=0.0))
+            count += tl.sum(((keys >= trial) & (columns < vocab)).to(tl.int32), axis=0)
+        kth = tl.where(count >= k, trial, kth)
+    above = tl.zeros((), tl.int32)
+    for start in range(0, vocab, BLOCK):
+        columns = start + offsets
+        keys = _ordered_keys(tl.load(row_values + columns, mask=columns < vocab, other=0.0))
+        above += tl.sum(((keys > kth) & (columns < vocab)).to(tl.int32), axis=0)
+    written_above = tl.zeros((), tl.int32)
+    written_equal = tl.zeros((), tl.int32)
+    for start in range(0, vocab, BLOCK):
+        columns = start + offsets
+        values = tl.load(row_values + columns, mask=columns < vocab, other=0.0).to(tl.float32)
+        keys = _ordered_keys(values)
+        greater = (keys > kth) & (columns < vocab)
+        equal = (keys == kth) & (columns < vocab)
+        slots = tl.where(
+            greater,
+            written_above + tl.cumsum(greater.to(tl.int32), axis=0) - 1,
+            above + written_equal + tl.cumsum(equal.to(tl.int32), axis=0) - 1,
+        )
+        keep = greater | (equal & (slots < k))
+        tl.store(slot_values + slots, values, mask=keep)
+        tl.store(slot_ids + slots, columns.to(tl.int64), mask=keep)
+        written_above += tl.sum(greater.to(tl.int32), axis=0)
+        written_equal += tl.sum(equal.to(tl.int32), axis=0)
+    rest = tl.arange(0, SLOTS)
+    tl.store(slot_values + rest, float("-inf"), mask=rest >= k)
+    tl.store(slot_ids + rest, 0, mask=rest >= k)
+
+
+@triton_jit
+def _gather_kernel(
+    values_ptr,
+    bound_ptr,
+    slot_values_ptr,
+    slot_ids_ptr,
+    counters_ptr,
+    vocab,
+    stride_row,
+    num_chunks,
+    k,
+    CHUNK: tl.constexpr,
+    SLOTS: tl.constexpr,
+    EXACT_BLOCK: tl.constexpr,
+):
+    """The chunk's entries at or over the row's bound, into the row's next free slots; the
+    row's last program redoes a row whose entries overflowed its slots."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    columns = chunk * CHUNK + tl.arange(0, CHUNK)
+    row_values = values_ptr + row * stride_row
+    values = tl.load(row_values + columns, mask=columns < vocab, other=float("-inf"))
+    values = values.to(tl.float32)
+    take = (values >= tl.load(bound_ptr + row)) & (values > float("-inf"))
+    taken = take.to(tl.int32)
+    first = tl.atomic_add(counters_ptr + row * 3 + 1, tl.sum(taken, axis=0))
+    slots = first + tl.cumsum(taken, axis=0) - 1
+    keep = take & (slots < SLOTS)
+    tl.store(slot_values_ptr + row * SLOTS + slots, values, mask=keep)
+    tl.store(slot_ids_ptr + row * SLOTS + slots, columns.to(tl.int64), mask=keep)
+    if attention_merge.arrive_last(counters_ptr + row * 3 + 2, num_chunks):
+        total = tl.atomic_xchg(counters_ptr + row * 3 + 1, 0)
+        tl.store(counters_ptr + row * 3 + 2, 0)
+        if total > SLOTS:
+            _exact_row(
+                row_values, vocab, k, slot_values_ptr + row * SLOTS, slot_ids_ptr + row * SLOTS,
+                SLOTS, EXACT_BLOCK,
+            )  # fmt: skip
+
+
+def top_candidates_triton(
+    values: torch.Tensor,
+    k: int,
+    chunk: int = CHUNK,
+    groups: int = GROUPS,
+    slots: int = SLOTS,
+    exact_block: int = EXACT_BLOCK,
+    gather_chunk: int = GATHER_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, vocab = values.shape
+    if not 1 <= k <= min(groups, slots, vocab):
+        raise ValueError(f"k must be in [1, {min(groups, slots, vocab)}], got {k}")
+    if chunk % groups:
+        raise ValueError(f"chunk ({chunk}) must be a multiple of groups ({groups})")
+    device = values.device
+    slot_values = torch.empty(rows, slots, dtype=torch.float32, device=device)
+    slot_ids = torch.empty(rows, slots, dtype=torch.int64, device=device)
+    if rows == 0:
+        return slot_values[:, :k], slot_ids[:, :k]
+    if values.stride(-1) != 1:
+        values = values.contiguous()
+    load_triton()
+    num_chunks = cdiv(vocab, chunk)
+    partial = torch.empty(rows * num_chunks * groups, dtype=values.dtype, device=device)
+    bound = torch.empty(rows, dtype=torch.float32, device=device)
+    counters = split_counters(3 * rows, device)
+    _group_max_kernel[(rows, num_chunks)](
+        values, partial, bound, slot_values, slot_ids, counters, vocab, values.stride(0),
+        num_chunks, k,
+        GROUPS=groups, CHUNK=chunk, SLOTS=slots, FILL=next_power_of_2(cdiv(slots, num_chunks)),
+        num_warps=4,
+    )  # fmt: skip
+    gather_chunks = cdiv(vocab, gather_chunk)
+    _gather_kernel[(rows, gather_chunks)](
+        values, bound, slot_values, slot_ids, counters, vocab, values.stride(0), gather_chunks,
+        k, CHUNK=gather_chunk, SLOTS=slots, EXACT_BLOCK=exact_block, num_warps=8,
+    )  # fmt: skip
+    top, order = slot_values.topk(k, dim=1)
+    return top, slot_ids.gather(1, order)
+
+
+def top_candidates(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` largest values as float32, sorted descending, and their int64
+    columns (see the module docstring; ``top_candidates_ref`` for the arguments)."""
+    if values.dim() != 2:
+        raise ValueError(f"top_candidates takes [rows, vocab] values, got {tuple(values.shape)}")
+    vocab = values.shape[1]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k must be in [1, {vocab}], got {k}")
+    # Narrow rows, or a k past the groups: one topk is as quick.
+    if use_triton(values) and k <= GROUPS and vocab > 4 * SLOTS:
+        return top_candidates_triton(values, k)
+    return top_candidates_ref(values, k)

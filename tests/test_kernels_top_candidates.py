@@ -1,0 +1,112 @@
+"""Each row's k largest values without a radix select: the kernel against ``torch.topk`` on
+fresh random rows (both dtypes, several chunks a row), rows of many equal values (the exact
+redo), rows mostly -inf, rows with fewer than k finite values, and +inf; the dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_test_util import CUDA, DEVICE, SEED, gen, poisoned, randn, requires_triton
+
+from kernels.top_candidates import (
+    GROUPS,
+    top_candidates,
+    top_candidates_ref,
+    top_candidates_triton,
+)
+
+pytestmark = requires_triton
+
+# Small groups, chunks and slots on the CPU interpreter, so short rows span several chunks
+# and the slots can overflow; the real sizes on a GPU.
+SIZES = (
+    dict(chunk=8192, groups=256, slots=1024, exact_block=1024, gather_chunk=2048)
+    if CUDA
+    else dict(chunk=64, groups=16, slots=64, exact_block=32, gather_chunk=128)
+)
+K = 128 if CUDA else 8
+VOCAB = 151_936 if CUDA else 1_000
+
+
+def assert_top(values: torch.Tensor, top: torch.Tensor, ids: torch.Tensor, k: int) -> None:
+    """``top`` holds each row's k largest values, sorted as ``topk`` sorts them, and ``ids``
+    are distinct columns holding them (wherever a value is finite)."""
+    expected, _ = top_candidates_ref(values, k)
+    assert top.dtype == torch.float32 and ids.dtype == torch.int64, f"seed {SEED}"
+    assert not top.isnan().any(), f"seed {SEED}: NaN in the output"
+    assert torch.equal(top, expected), f"seed {SEED}: values differ from topk's"
+    finite = top.isfinite() | (top == float("inf"))
+    held = values.float().gather(1, ids)
+    assert torch.equal(held[finite], top[finite]), f"seed {SEED}: an id does not hold its value"
+    for row in range(values.shape[0]):
+        row_ids = ids[row][finite[row]]
+        assert row_ids.unique().numel() == row_ids.numel(), f"seed {SEED}: row {row} repeats"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_random_rows_match_topk(dtype, rows):
+    values = randn(rows, VOCAB, g=gen(rows), dtype=dtype, scale=4.0)
+    with poisoned():
+        top, ids = top_candidates_triton(values, K, **SIZES)
+    assert_top(values, top, ids, K)
+
+
+def test_rows_of_few_levels_overflow_their_slots_and_are_redone_exactly():
+    g = gen(11)
+    values = torch.randint(0, 3, (3, VOCAB), generator=g).float()
+    values[1] = torch.randint(-5, 5, (VOCAB,), generator=g).float() / 4  # ties in bf16
+    values[2, : VOCAB // 2] = 7.0  # half the row equal to its largest value
+    values = values.to(DEVICE)
+    with poisoned():
+        top, ids = top_candidates_triton(values, K, **SIZES)
+    assert_top(values, top, ids, K)
+    # Ties at the k-th value keep the first columns that hold it.
+    assert torch.equal(ids[2].sort().values, torch.arange(K, device=DEVICE)), f"seed {SEED}"
+
+
+def test_rows_mostly_minus_inf_and_rows_with_inf():
+    g = gen(12)
+    values = torch.full((5, VOCAB), float("-inf"))
+    values[0, :: VOCAB // 10] = torch.randn(values[0, :: VOCAB // 10].numel(), generator=g)
+    values[1, :3] = torch.tensor([1.0, 2.0, 1.0])  # fewer finite values than k
+    values[2, 100 : 100 + 5 * K] = torch.randn(5 * K, generator=g)  # one run of columns
+    values[3] = torch.randn(VOCAB, generator=g)
+    values[3, 17] = float("inf")
+    values[4, ::2] = torch.randn(values[4, ::2].numel(), generator=g)  # half the groups empty
+    values = values.to(DEVICE)
+    with poisoned():
+        top, ids = top_candidates_triton(values, K, **SIZES)
+    assert_top(values, top, ids, K)
+    assert ids[3, 0].item() == 17, f"seed {SEED}"
+
+
+def test_a_seeded_bound_keeps_what_topk_keeps_whatever_the_chunking():
+    values = randn(4, VOCAB, g=gen(13), dtype=torch.float32)
+    first = top_candidates_triton(values, K, **SIZES)
+    sizes = dict(SIZES, chunk=SIZES["chunk"] * 2)
+    second = top_candidates_triton(values, K, **sizes)
+    assert torch.equal(first[0], second[0]), f"seed {SEED}"
+    assert torch.equal(first[1], second[1]), f"seed {SEED}: distinct values, same columns"
+
+
+def test_arguments_are_checked():
+    values = randn(2, 300, g=gen(14), dtype=torch.float32)
+    with pytest.raises(ValueError, match="k must be"):
+        top_candidates(values, 0)
+    with pytest.raises(ValueError, match="k must be"):
+        top_candidates(values, 301)
+    with pytest.raises(ValueError, match="rows, vocab"):
+        top_candidates(values[0], 4)
+    with pytest.raises(ValueError, match="multiple of groups"):
+        top_candidates_triton(values, 4, chunk=48, groups=32, slots=64)
+    with pytest.raises(ValueError, match="k must be"):
+        top_candidates_triton(values, GROUPS + 1)
+
+
+def test_dispatch_gives_topk_values_on_every_device():
+    values = randn(3, 5_000, g=gen(15), dtype=torch.bfloat16)
+    top, ids = top_candidates(values, 20)
+    assert_top(values, top, ids, 20)
+    empty_top, empty_ids = top_candidates(values[:0], 20)
+    assert empty_top.shape == (0, 20) and empty_ids.shape == (0, 20)
