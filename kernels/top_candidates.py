@@ -107,22 +107,25 @@ def _exact_row(
     row_values, vocab, k, slot_values, slot_ids, SLOTS: tl.constexpr, BLOCK: tl.constexpr
 ):
     """Write the row's ``k`` largest values (ties in column order) to its first slots, -inf
-    to the rest: one program, bit by bit over the values' ordered keys."""
+    to the rest: one program, eight bits of the values' ordered keys a pass."""
     offsets = tl.arange(0, BLOCK)
-    kth = tl.zeros((), tl.int64)  # the largest key with at least k keys at or above it
-    for step in range(32):
-        trial = kth | (tl.full((), 1, tl.int64) << (31 - step))
-        count = tl.zeros((), tl.int32)
+    digits = tl.arange(0, 256)
+    kth = tl.zeros((), tl.int64)  # the k-th largest key, found from its top byte down
+    remaining = k  # of the k largest, those not yet above the bits found
+    for byte in range(4):
+        shift = 24 - 8 * byte
+        counts = tl.zeros((256,), tl.int32)
         for start in range(0, vocab, BLOCK):
             columns = start + offsets
             keys = _ordered_keys(tl.load(row_values + columns, mask=columns < vocab, other=0.0))
-            count += tl.sum(((keys >= trial) & (columns < vocab)).to(tl.int32), axis=0)
-        kth = tl.where(count >= k, trial, kth)
-    above = tl.zeros((), tl.int32)
-    for start in range(0, vocab, BLOCK):
-        columns = start + offsets
-        keys = _ordered_keys(tl.load(row_values + columns, mask=columns < vocab, other=0.0))
-        above += tl.sum(((keys > kth) & (columns < vocab)).to(tl.int32), axis=0)
+            match = ((keys >> (shift + 8)) == (kth >> (shift + 8))) & (columns < vocab)
+            counts += tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)
+        # Keys under the prefix found so far whose byte is above each digit.
+        above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0)
+        digit = tl.max(tl.where(above + counts >= remaining, digits, 0), axis=0)
+        remaining -= tl.sum(tl.where(digits == digit, above, 0), axis=0)
+        kth = kth | (digit.to(tl.int64) << shift)
+    above = k - remaining  # the keys over the k-th
     written_above = tl.zeros((), tl.int32)
     written_equal = tl.zeros((), tl.int32)
     for start in range(0, vocab, BLOCK):
