@@ -3,7 +3,7 @@ radix select over the whole row.
 
 The sampler's candidate path (Qwen3's recommended top-k 20) draws from each row's 128 largest
 logits. ``torch.topk`` over a 152k-entry vocabulary runs radix passes over every row, at a
-small share of the memory bandwidth on large batches. Here the row is read twice:
+small share of the memory bandwidth on large batches. Here the row is read twice, in three launches:
 
 1. The row's columns fall into ``GROUPS`` strided groups (column mod ``GROUPS``), and each
    group's largest value is found. These are ``GROUPS`` distinct entries of the row, so the
@@ -11,17 +11,20 @@ small share of the memory bandwidth on large batches. Here the row is read twice
    the row's top ``k`` is at least that bound. On random rows of Qwen3's vocabulary with 256
    groups, about 180 entries pass a bound of ``k`` 128 (at most 213 over 2,000 rows).
 2. The entries at or over the bound (and above -inf) are gathered, in any order, into
-   ``SLOTS`` slots a row; ``topk`` over those slots sorts out the row's ``k``.
+   ``SLOTS`` slots a row, each chunk's at once through one atomic count of the row (most
+   chunks hold none and take no atomic);
+3. one program a row sorts its slots by value, then column (so ties keep the smaller
+   columns, whatever order the gathering took), and writes the first ``k``.
 
-A row is split into chunks of ``CHUNK`` columns, one program each. The last program of a row
-to arrive (kernels/attention_merge.py's ``arrive_last``) reduces the chunks' group maxima to
-the bound, in the first launch, and counts the gathered entries, in the second. A row whose
-entries over its bound do not fit its slots (a row of many equal values, or one with more
-than ``SLOTS`` finite values and fewer than ``k`` groups holding any) is redone by that last
-program alone, exactly: a bit-by-bit search of the ``k``-th largest value over the row's
-values as ordered integers, then the entries above it and as many entries equal to it as
-the ``k`` leave, in column order. Ties at the ``k``-th value may so keep other columns than
-``topk`` would, which is free to keep any.
+The first two launches split a row into chunks, one program each; the last program of a row
+to arrive in the first (kernels/attention_merge.py's ``arrive_last``) reduces the chunks'
+group maxima to the bound. A row whose entries over its bound do not fit its slots (a row of
+many equal values, or one with more than ``SLOTS`` finite values and fewer than ``k`` groups
+holding any) is redone exactly by its program of the third launch before the sort: the
+``k``-th largest value found a byte of its ordered key a pass (histograms over the row),
+then the entries above it and as many entries equal to it as the ``k`` leave, in column
+order. Ties at the ``k``-th value may so keep other columns than ``topk`` would, which is
+free to keep any.
 
 A row with fewer than ``k`` finite values gets -inf for the rest, with column 0. NaN values
 are never gathered. The reference is ``top_candidates_ref``, ``torch.topk``.
@@ -41,6 +44,7 @@ GROUPS = 256
 CHUNK = 8192  # a multiple of GROUPS
 # Columns a program of the gathering launch reads: its prefix sum over them holds registers.
 GATHER_CHUNK = 2048
+GATHER_WARPS = 8
 SLOTS = 1024
 # Columns a program reads at once when it redoes an overflowing row alone.
 EXACT_BLOCK = 1024
@@ -83,7 +87,7 @@ def _group_max_kernel(
     fill = chunk + num_chunks * tl.arange(0, FILL)
     tl.store(slot_values_ptr + row * SLOTS + fill, float("-inf"), mask=fill < SLOTS)
     tl.store(slot_ids_ptr + row * SLOTS + fill, 0, mask=fill < SLOTS)
-    if attention_merge.arrive_last(counters_ptr + row * 3, num_chunks):
+    if attention_merge.arrive_last(counters_ptr + row * 2, num_chunks):
         maxima = tl.full((GROUPS,), float("-inf"), tl.float32)
         for other in range(num_chunks):
             partial = tl.load(
@@ -92,7 +96,7 @@ def _group_max_kernel(
             maxima = tl.maximum(maxima, partial.to(tl.float32))
         ordered = tl.sort(maxima, descending=True)
         tl.store(bound_ptr + row, tl.max(tl.where(groups == k - 1, ordered, float("-inf")), 0))
-        tl.store(counters_ptr + row * 3, 0)  # ready for the next launch
+        tl.store(counters_ptr + row * 2, 0)  # ready for the next launch
 
 
 @triton_jit
@@ -158,35 +162,60 @@ def _gather_kernel(
     counters_ptr,
     vocab,
     stride_row,
-    num_chunks,
-    k,
     CHUNK: tl.constexpr,
+    SLOTS: tl.constexpr,
+):
+    """The chunk's entries at or over the row's bound, into the row's next free slots. Most
+    chunks hold none, and take no atomic."""
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    values = tl.load(values_ptr + row * stride_row + columns, mask=columns < vocab, other=0.0)
+    values = values.to(tl.float32)
+    take = (values >= tl.load(bound_ptr + row)) & (values > float("-inf")) & (columns < vocab)
+    taken = take.to(tl.int32)
+    count = tl.sum(taken, axis=0)
+    if count > 0:
+        first = tl.atomic_add(counters_ptr + row * 2 + 1, count, sem="relaxed")
+        slots = first + tl.cumsum(taken, axis=0) - 1
+        keep = take & (slots < SLOTS)
+        tl.store(slot_values_ptr + row * SLOTS + slots, values, mask=keep)
+        tl.store(slot_ids_ptr + row * SLOTS + slots, columns.to(tl.int64), mask=keep)
+
+
+@triton_jit
+def _select_kernel(
+    values_ptr,
+    slot_values_ptr,
+    slot_ids_ptr,
+    counters_ptr,
+    top_ptr,
+    ids_ptr,
+    vocab,
+    stride_row,
+    k,
     SLOTS: tl.constexpr,
     EXACT_BLOCK: tl.constexpr,
 ):
-    """The chunk's entries at or over the row's bound, into the row's next free slots; the
-    row's last program redoes a row whose entries overflowed its slots."""
+    """One program a row: redo a row whose entries overflowed its slots, then sort the
+    slots and write the first ``k``."""
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    columns = chunk * CHUNK + tl.arange(0, CHUNK)
-    row_values = values_ptr + row * stride_row
-    values = tl.load(row_values + columns, mask=columns < vocab, other=float("-inf"))
-    values = values.to(tl.float32)
-    take = (values >= tl.load(bound_ptr + row)) & (values > float("-inf"))
-    taken = take.to(tl.int32)
-    first = tl.atomic_add(counters_ptr + row * 3 + 1, tl.sum(taken, axis=0))
-    slots = first + tl.cumsum(taken, axis=0) - 1
-    keep = take & (slots < SLOTS)
-    tl.store(slot_values_ptr + row * SLOTS + slots, values, mask=keep)
-    tl.store(slot_ids_ptr + row * SLOTS + slots, columns.to(tl.int64), mask=keep)
-    if attention_merge.arrive_last(counters_ptr + row * 3 + 2, num_chunks):
-        total = tl.atomic_xchg(counters_ptr + row * 3 + 1, 0)
-        tl.store(counters_ptr + row * 3 + 2, 0)
-        if total > SLOTS:
-            _exact_row(
-                row_values, vocab, k, slot_values_ptr + row * SLOTS, slot_ids_ptr + row * SLOTS,
-                SLOTS, EXACT_BLOCK,
-            )  # fmt: skip
+    slot_values = slot_values_ptr + row * SLOTS
+    slot_ids = slot_ids_ptr + row * SLOTS
+    total = tl.load(counters_ptr + row * 2 + 1)
+    tl.store(counters_ptr + row * 2 + 1, 0)  # ready for the next launch
+    if total > SLOTS:
+        _exact_row(
+            values_ptr + row * stride_row, vocab, k, slot_values, slot_ids, SLOTS, EXACT_BLOCK
+        )
+        tl.debug_barrier()  # the redo's stores, seen by every thread below
+    slots = tl.arange(0, SLOTS)
+    keys = _ordered_keys(tl.load(slot_values + slots)) - 2147483648  # int32's range
+    # Value first, then the smaller column: the order does not depend on the gathering's.
+    ordered = tl.sort((keys << 32) | (0xFFFFFFFF - tl.load(slot_ids + slots)), descending=True)
+    bits = (ordered >> 32).to(tl.int32)
+    top = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    tl.store(top_ptr + row * k + slots, top, mask=slots < k)
+    tl.store(ids_ptr + row * k + slots, 0xFFFFFFFF - (ordered & 0xFFFFFFFF), mask=slots < k)
 
 
 def top_candidates_triton(
@@ -204,30 +233,33 @@ def top_candidates_triton(
     if chunk % groups:
         raise ValueError(f"chunk ({chunk}) must be a multiple of groups ({groups})")
     device = values.device
-    slot_values = torch.empty(rows, slots, dtype=torch.float32, device=device)
-    slot_ids = torch.empty(rows, slots, dtype=torch.int64, device=device)
+    top = torch.empty(rows, k, dtype=torch.float32, device=device)
+    ids = torch.empty(rows, k, dtype=torch.int64, device=device)
     if rows == 0:
-        return slot_values[:, :k], slot_ids[:, :k]
+        return top, ids
     if values.stride(-1) != 1:
         values = values.contiguous()
     load_triton()
     num_chunks = cdiv(vocab, chunk)
     partial = torch.empty(rows * num_chunks * groups, dtype=values.dtype, device=device)
     bound = torch.empty(rows, dtype=torch.float32, device=device)
-    counters = split_counters(3 * rows, device)
+    slot_values = torch.empty(rows, slots, dtype=torch.float32, device=device)
+    slot_ids = torch.empty(rows, slots, dtype=torch.int64, device=device)
+    counters = split_counters(2 * rows, device)
     _group_max_kernel[(rows, num_chunks)](
         values, partial, bound, slot_values, slot_ids, counters, vocab, values.stride(0),
-        num_chunks, k,
-        GROUPS=groups, CHUNK=chunk, SLOTS=slots, FILL=next_power_of_2(cdiv(slots, num_chunks)),
-        num_warps=4,
+        num_chunks, k, GROUPS=groups, CHUNK=chunk, SLOTS=slots,
+        FILL=next_power_of_2(cdiv(slots, num_chunks)), num_warps=4,
     )  # fmt: skip
-    gather_chunks = cdiv(vocab, gather_chunk)
-    _gather_kernel[(rows, gather_chunks)](
-        values, bound, slot_values, slot_ids, counters, vocab, values.stride(0), gather_chunks,
-        k, CHUNK=gather_chunk, SLOTS=slots, EXACT_BLOCK=exact_block, num_warps=8,
+    _gather_kernel[(rows, cdiv(vocab, gather_chunk))](
+        values, bound, slot_values, slot_ids, counters, vocab, values.stride(0),
+        CHUNK=gather_chunk, SLOTS=slots, num_warps=GATHER_WARPS,
     )  # fmt: skip
-    top, order = slot_values.topk(k, dim=1)
-    return top, slot_ids.gather(1, order)
+    _select_kernel[(rows,)](
+        values, slot_values, slot_ids, counters, top, ids, vocab, values.stride(0), k,
+        SLOTS=slots, EXACT_BLOCK=exact_block, num_warps=4,
+    )  # fmt: skip
+    return top, ids
 
 
 def top_candidates(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

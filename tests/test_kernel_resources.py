@@ -138,21 +138,24 @@ load_triton()
 from tools.kernel_resources import Launch, compile_launch
 V, rows, chunks = 151936, 8, 19
 for dtype in (torch.bfloat16, torch.float32):
-    common = dict(values_ptr=torch.empty(rows, V, dtype=dtype), bound_ptr=torch.empty(rows),
-                  slot_values_ptr=torch.empty(rows, 1024),
+    common = dict(values_ptr=torch.empty(rows, V, dtype=dtype), slot_values_ptr=torch.empty(rows, 1024),
                   slot_ids_ptr=torch.empty(rows, 1024, dtype=torch.int64),
-                  counters_ptr=torch.empty(3 * rows, dtype=torch.int32), vocab=V, stride_row=V,
-                  k=128, SLOTS=1024)
+                  counters_ptr=torch.empty(2 * rows, dtype=torch.int32), vocab=V, stride_row=V,
+                  SLOTS=1024)
     group_max = dict(common, partial_ptr=torch.empty(rows * chunks * 256, dtype=dtype),
-                     num_chunks=chunks, CHUNK=8192, GROUPS=256, FILL=64)
+                     bound_ptr=torch.empty(rows), num_chunks=chunks, k=128, CHUNK=8192,
+                     GROUPS=256, FILL=64)
     print(compile_launch(Launch(tc._group_max_kernel, group_max, {"num_warps": 4}, rows), 90))
-    gather = dict(common, num_chunks=75, CHUNK=2048, EXACT_BLOCK=1024)
+    gather = dict(common, bound_ptr=torch.empty(rows), CHUNK=2048)
     print(compile_launch(Launch(tc._gather_kernel, gather, {"num_warps": 8}, rows), 90))
+    select = dict(common, top_ptr=torch.empty(rows, 128),
+                  ids_ptr=torch.empty(rows, 128, dtype=torch.int64), k=128, EXACT_BLOCK=1024)
+    print(compile_launch(Launch(tc._select_kernel, select, {"num_warps": 4}, rows), 90))
 """
 
 
 def test_the_top_candidates_kernels_compile_for_sm_90():
-    """Both launches of the top candidates (the sort of the group maxima, the atomics and
+    """The three launches of the top candidates (the sorts, the atomics, the histograms of
     the exact redo) compile for sm_90, for the model's dtype and for float32 logits."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -167,6 +170,6 @@ def test_the_top_candidates_kernels_compile_for_sm_90():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     compiled = [json.loads(line.replace("'", '"')) for line in result.stdout.splitlines()]
-    assert len(compiled) == 4
+    assert len(compiled) == 6
     for resources in compiled:
         assert 0 < resources["registers"] <= 255, resources

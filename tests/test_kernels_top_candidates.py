@@ -28,9 +28,12 @@ K = 128 if CUDA else 8
 VOCAB = 151_936 if CUDA else 1_000
 
 
-def assert_top(values: torch.Tensor, top: torch.Tensor, ids: torch.Tensor, k: int) -> None:
+def assert_top(
+    values: torch.Tensor, top: torch.Tensor, ids: torch.Tensor, k: int, kernel: bool = True
+) -> None:
     """``top`` holds each row's k largest values, sorted as ``topk`` sorts them, and ``ids``
-    are distinct columns holding them (wherever a value is finite)."""
+    are distinct columns holding them (wherever a value is not -inf); from the kernel, ties
+    keep the smaller columns, in order."""
     expected, _ = top_candidates_ref(values, k)
     assert top.dtype == torch.float32 and ids.dtype == torch.int64, f"seed {SEED}"
     assert not top.isnan().any(), f"seed {SEED}: NaN in the output"
@@ -41,6 +44,9 @@ def assert_top(values: torch.Tensor, top: torch.Tensor, ids: torch.Tensor, k: in
     for row in range(values.shape[0]):
         row_ids = ids[row][finite[row]]
         assert row_ids.unique().numel() == row_ids.numel(), f"seed {SEED}: row {row} repeats"
+    if kernel:
+        stable = values.float().sort(dim=1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(ids[finite], stable[finite]), f"seed {SEED}: ties in another order"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -81,13 +87,17 @@ def test_rows_mostly_minus_inf_and_rows_with_inf():
     assert ids[3, 0].item() == 17, f"seed {SEED}"
 
 
-def test_a_seeded_bound_keeps_what_topk_keeps_whatever_the_chunking():
+def test_ties_below_the_overflow_keep_the_smaller_columns_whatever_the_chunking():
     values = randn(4, VOCAB, g=gen(13), dtype=torch.float32)
+    kth = values.topk(K, dim=1).values[:, K // 2 : K // 2 + 1]
+    tied = torch.randperm(VOCAB, generator=gen(16))[: 3 * K // 4].to(DEVICE)
+    values[:, tied] = kth  # ties across the k-th place, spread over the chunks
     first = top_candidates_triton(values, K, **SIZES)
     sizes = dict(SIZES, chunk=SIZES["chunk"] * 2)
     second = top_candidates_triton(values, K, **sizes)
+    assert_top(values, *first, K)
     assert torch.equal(first[0], second[0]), f"seed {SEED}"
-    assert torch.equal(first[1], second[1]), f"seed {SEED}: distinct values, same columns"
+    assert torch.equal(first[1], second[1]), f"seed {SEED}: other columns with other chunks"
 
 
 def test_arguments_are_checked():
@@ -107,6 +117,6 @@ def test_arguments_are_checked():
 def test_dispatch_gives_topk_values_on_every_device():
     values = randn(3, 5_000, g=gen(15), dtype=torch.bfloat16)
     top, ids = top_candidates(values, 20)
-    assert_top(values, top, ids, 20)
+    assert_top(values, top, ids, 20, kernel=CUDA)
     empty_top, empty_ids = top_candidates(values[:0], 20)
     assert empty_top.shape == (0, 20) and empty_ids.shape == (0, 20)
