@@ -21,7 +21,7 @@ to arrive in the first (kernels/attention_merge.py's ``arrive_last``) reduces th
 group maxima to the bound. A row whose entries over its bound do not fit its slots (a row of
 many equal values, or one with more than ``SLOTS`` finite values and fewer than ``k`` groups
 holding any) is redone exactly by its program of the third launch before the sort: the
-``k``-th largest value found a byte of its ordered key a pass (histograms over the row),
+``k``-th largest value found four bits of its ordered key a pass (counts over the row),
 then the entries above it and as many entries equal to it as the ``k`` leave, in column
 order. Ties at the ``k``-th value may so keep other columns than ``topk`` would, which is
 free to keep any.
@@ -47,7 +47,7 @@ GATHER_CHUNK = 2048
 GATHER_WARPS = 8
 SLOTS = 1024
 # Columns a program reads at once when it redoes an overflowing row alone.
-EXACT_BLOCK = 1024
+EXACT_BLOCK = 256
 
 
 def top_candidates_ref(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,20 +111,22 @@ def _exact_row(
     row_values, vocab, k, slot_values, slot_ids, SLOTS: tl.constexpr, BLOCK: tl.constexpr
 ):
     """Write the row's ``k`` largest values (ties in column order) to its first slots, -inf
-    to the rest: one program, eight bits of the values' ordered keys a pass."""
+    to the rest: one program, four bits of the values' ordered keys a pass."""
     offsets = tl.arange(0, BLOCK)
-    digits = tl.arange(0, 256)
-    kth = tl.zeros((), tl.int64)  # the k-th largest key, found from its top byte down
+    digits = tl.arange(0, 16)
+    kth = tl.zeros((), tl.int64)  # the k-th largest key, found from its top bits down
     remaining = k  # of the k largest, those not yet above the bits found
-    for byte in range(4):
-        shift = 24 - 8 * byte
-        counts = tl.zeros((256,), tl.int32)
+    for nibble in range(8):
+        shift = 28 - 4 * nibble
+        counts = tl.zeros((16,), tl.int32)
         for start in range(0, vocab, BLOCK):
             columns = start + offsets
             keys = _ordered_keys(tl.load(row_values + columns, mask=columns < vocab, other=0.0))
-            match = ((keys >> (shift + 8)) == (kth >> (shift + 8))) & (columns < vocab)
-            counts += tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)
-        # Keys under the prefix found so far whose byte is above each digit.
+            match = ((keys >> (shift + 4)) == (kth >> (shift + 4))) & (columns < vocab)
+            digit = ((keys >> shift) & 15).to(tl.int32)
+            hits = (digit[:, None] == digits[None, :]) & match[:, None]
+            counts += tl.sum(hits.to(tl.int32), axis=0)
+        # Keys under the bits found so far whose next four bits are above each digit.
         above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0)
         digit = tl.max(tl.where(above + counts >= remaining, digits, 0), axis=0)
         remaining -= tl.sum(tl.where(digits == digit, above, 0), axis=0)
@@ -143,7 +145,7 @@ def _exact_row(
             written_above + tl.cumsum(greater.to(tl.int32), axis=0) - 1,
             above + written_equal + tl.cumsum(equal.to(tl.int32), axis=0) - 1,
         )
-        keep = greater | (equal & (slots < k))
+        keep = (greater | equal) & (slots < k)
         tl.store(slot_values + slots, values, mask=keep)
         tl.store(slot_ids + slots, columns.to(tl.int64), mask=keep)
         written_above += tl.sum(greater.to(tl.int32), axis=0)

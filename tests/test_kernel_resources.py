@@ -149,13 +149,13 @@ for dtype in (torch.bfloat16, torch.float32):
     gather = dict(common, bound_ptr=torch.empty(rows), CHUNK=2048)
     print(compile_launch(Launch(tc._gather_kernel, gather, {"num_warps": 8}, rows), 90))
     select = dict(common, top_ptr=torch.empty(rows, 128),
-                  ids_ptr=torch.empty(rows, 128, dtype=torch.int64), k=128, EXACT_BLOCK=1024)
+                  ids_ptr=torch.empty(rows, 128, dtype=torch.int64), k=128, EXACT_BLOCK=256)
     print(compile_launch(Launch(tc._select_kernel, select, {"num_warps": 4}, rows), 90))
 """
 
 
 def test_the_top_candidates_kernels_compile_for_sm_90():
-    """The three launches of the top candidates (the sorts, the atomics, the histograms of
+    """The three launches of the top candidates (the sorts, the atomics, the counts of
     the exact redo) compile for sm_90, for the model's dtype and for float32 logits."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

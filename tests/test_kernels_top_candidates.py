@@ -20,7 +20,7 @@ pytestmark = requires_triton
 # Small groups, chunks and slots on the CPU interpreter, so short rows span several chunks
 # and the slots can overflow; the real sizes on a GPU.
 SIZES = (
-    dict(chunk=8192, groups=256, slots=1024, exact_block=1024, gather_chunk=2048)
+    dict(chunk=8192, groups=256, slots=1024, exact_block=256, gather_chunk=2048)
     if CUDA
     else dict(chunk=64, groups=16, slots=64, exact_block=32, gather_chunk=128)
 )
@@ -60,15 +60,28 @@ def test_random_rows_match_topk(dtype, rows):
 
 def test_rows_of_few_levels_overflow_their_slots_and_are_redone_exactly():
     g = gen(11)
-    values = torch.randint(0, 3, (3, VOCAB), generator=g).float()
+    rows = 64 if CUDA else 4  # many rows redone at once
+    values = torch.randint(0, 3, (rows, VOCAB), generator=g).float()
     values[1] = torch.randint(-5, 5, (VOCAB,), generator=g).float() / 4  # ties in bf16
     values[2, : VOCAB // 2] = 7.0  # half the row equal to its largest value
-    values = values.to(DEVICE)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows_values = values.to(dtype).to(DEVICE)
+        with poisoned():
+            top, ids = top_candidates_triton(rows_values, K, **SIZES)
+        assert_top(rows_values, top, ids, K)
+        # Ties at the k-th value keep the first columns that hold it.
+        assert torch.equal(ids[2], torch.arange(K, device=DEVICE)), f"seed {SEED}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_rows_redone_exactly_when_their_slots_overflow(dtype):
+    """Slots as few as k: rows of distinct values overflow them, and take the redo."""
+    values = randn(6, VOCAB, g=gen(17), dtype=dtype, scale=3.0)
+    values[3] = -values[3].abs()  # every key negative
+    sizes = dict(SIZES, slots=K)
     with poisoned():
-        top, ids = top_candidates_triton(values, K, **SIZES)
+        top, ids = top_candidates_triton(values, K, **sizes)
     assert_top(values, top, ids, K)
-    # Ties at the k-th value keep the first columns that hold it.
-    assert torch.equal(ids[2].sort().values, torch.arange(K, device=DEVICE)), f"seed {SEED}"
 
 
 def test_rows_mostly_minus_inf_and_rows_with_inf():
