@@ -3,7 +3,8 @@ radix select over the whole row.
 
 The sampler's candidate path (Qwen3's recommended top-k 20) draws from each row's 128 largest
 logits. ``torch.topk`` over a 152k-entry vocabulary runs radix passes over every row, at a
-small share of the memory bandwidth on large batches. Here the row is read twice, in three launches:
+small share of the memory bandwidth on large batches. Here the row is read twice, in four
+launches:
 
 1. The row's columns fall into ``GROUPS`` strided groups (column mod ``GROUPS``), and each
    group's largest value is found. These are ``GROUPS`` distinct entries of the row, so the
@@ -13,18 +14,18 @@ small share of the memory bandwidth on large batches. Here the row is read twice
 2. The entries at or over the bound (and above -inf) are gathered, in any order, into
    ``SLOTS`` slots a row, each chunk's at once through one atomic count of the row (most
    chunks hold none and take no atomic);
-3. one program a row sorts its slots by value, then column (so ties keep the smaller
-   columns, whatever order the gathering took), and writes the first ``k``.
+3. one program a row redoes a row whose entries over its bound did not fit its slots (a row
+   of many equal values, or one with more than ``SLOTS`` finite values and fewer than ``k``
+   groups holding any), exactly: the ``k``-th largest value found a few bits of its ordered
+   key a pass (counts over the row), then the entries above it and as many entries equal to
+   it as the ``k`` leave, in column order;
+4. one program a row sorts its slots by value, then column (so ties keep the smaller
+   columns, whatever order the gathering took), and writes the first ``k``. ``topk`` is free
+   to keep any of the ties at the ``k``-th value; these are the smaller columns.
 
 The first two launches split a row into chunks, one program each; the last program of a row
 to arrive in the first (kernels/attention_merge.py's ``arrive_last``) reduces the chunks'
-group maxima to the bound. A row whose entries over its bound do not fit its slots (a row of
-many equal values, or one with more than ``SLOTS`` finite values and fewer than ``k`` groups
-holding any) is redone exactly by its program of the third launch before the sort: the
-``k``-th largest value found four bits of its ordered key a pass (counts over the row),
-then the entries above it and as many entries equal to it as the ``k`` leave, in column
-order. Ties at the ``k``-th value may so keep other columns than ``topk`` would, which is
-free to keep any.
+group maxima to the bound.
 
 A row with fewer than ``k`` finite values gets -inf for the rest, with column 0. NaN values
 are never gathered. The reference is ``top_candidates_ref``, ``torch.topk``.
@@ -47,7 +48,8 @@ GATHER_CHUNK = 2048
 GATHER_WARPS = 8
 SLOTS = 1024
 # Columns a program reads at once when it redoes an overflowing row alone.
-EXACT_BLOCK = 256
+EXACT_BLOCK = 1024
+REDO_BY_HISTOGRAM = True
 
 
 def top_candidates_ref(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,25 +110,38 @@ def _ordered_keys(values):
 
 @triton_jit
 def _exact_row(
-    row_values, vocab, k, slot_values, slot_ids, SLOTS: tl.constexpr, BLOCK: tl.constexpr
+    row_values,
+    vocab,
+    k,
+    slot_values,
+    slot_ids,
+    SLOTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HISTOGRAM: tl.constexpr,
 ):
     """Write the row's ``k`` largest values (ties in column order) to its first slots, -inf
-    to the rest: one program, four bits of the values' ordered keys a pass."""
+    to the rest: one program, a few bits of the values' ordered keys a pass (eight bits by
+    ``tl.histogram``, or four by compares)."""
+    BITS: tl.constexpr = 8 if HISTOGRAM else 4
+    BINS: tl.constexpr = 1 << BITS
     offsets = tl.arange(0, BLOCK)
-    digits = tl.arange(0, 16)
+    digits = tl.arange(0, BINS)
     kth = tl.zeros((), tl.int64)  # the k-th largest key, found from its top bits down
     remaining = k  # of the k largest, those not yet above the bits found
-    for nibble in range(8):
-        shift = 28 - 4 * nibble
-        counts = tl.zeros((16,), tl.int32)
+    for step in range(32 // BITS):
+        shift = 32 - BITS - BITS * step
+        counts = tl.zeros((BINS,), tl.int32)
         for start in range(0, vocab, BLOCK):
             columns = start + offsets
             keys = _ordered_keys(tl.load(row_values + columns, mask=columns < vocab, other=0.0))
-            match = ((keys >> (shift + 4)) == (kth >> (shift + 4))) & (columns < vocab)
-            digit = ((keys >> shift) & 15).to(tl.int32)
-            hits = (digit[:, None] == digits[None, :]) & match[:, None]
-            counts += tl.sum(hits.to(tl.int32), axis=0)
-        # Keys under the bits found so far whose next four bits are above each digit.
+            match = ((keys >> (shift + BITS)) == (kth >> (shift + BITS))) & (columns < vocab)
+            digit = ((keys >> shift) & (BINS - 1)).to(tl.int32)
+            if HISTOGRAM:
+                counts += tl.histogram(digit, BINS, mask=match)
+            else:
+                hits = (digit[:, None] == digits[None, :]) & match[:, None]
+                counts += tl.sum(hits.to(tl.int32), axis=0)
+        # Keys under the bits found so far whose next bits are above each digit.
         above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0)
         digit = tl.max(tl.where(above + counts >= remaining, digits, 0), axis=0)
         remaining -= tl.sum(tl.where(digits == digit, above, 0), axis=0)
@@ -185,31 +200,36 @@ def _gather_kernel(
 
 
 @triton_jit
-def _select_kernel(
+def _redo_kernel(
     values_ptr,
     slot_values_ptr,
     slot_ids_ptr,
     counters_ptr,
-    top_ptr,
-    ids_ptr,
     vocab,
     stride_row,
     k,
     SLOTS: tl.constexpr,
     EXACT_BLOCK: tl.constexpr,
+    HISTOGRAM: tl.constexpr,
 ):
-    """One program a row: redo a row whose entries overflowed its slots, then sort the
-    slots and write the first ``k``."""
+    """One program a row: redo a row whose entries overflowed its slots (most rows return
+    at once)."""
     row = tl.program_id(0).to(tl.int64)
-    slot_values = slot_values_ptr + row * SLOTS
-    slot_ids = slot_ids_ptr + row * SLOTS
     total = tl.load(counters_ptr + row * 2 + 1)
     tl.store(counters_ptr + row * 2 + 1, 0)  # ready for the next launch
     if total > SLOTS:
         _exact_row(
-            values_ptr + row * stride_row, vocab, k, slot_values, slot_ids, SLOTS, EXACT_BLOCK
-        )
-        tl.debug_barrier()  # the redo's stores, seen by every thread below
+            values_ptr + row * stride_row, vocab, k, slot_values_ptr + row * SLOTS,
+            slot_ids_ptr + row * SLOTS, SLOTS, EXACT_BLOCK, HISTOGRAM,
+        )  # fmt: skip
+
+
+@triton_jit
+def _select_kernel(slot_values_ptr, slot_ids_ptr, top_ptr, ids_ptr, k, SLOTS: tl.constexpr):
+    """One program a row: sort the slots and write the first ``k``."""
+    row = tl.program_id(0).to(tl.int64)
+    slot_values = slot_values_ptr + row * SLOTS
+    slot_ids = slot_ids_ptr + row * SLOTS
     slots = tl.arange(0, SLOTS)
     keys = _ordered_keys(tl.load(slot_values + slots)) - 2147483648  # int32's range
     # Value first, then the smaller column: the order does not depend on the gathering's.
@@ -257,10 +277,11 @@ def top_candidates_triton(
         values, bound, slot_values, slot_ids, counters, vocab, values.stride(0),
         CHUNK=gather_chunk, SLOTS=slots, num_warps=GATHER_WARPS,
     )  # fmt: skip
-    _select_kernel[(rows,)](
-        values, slot_values, slot_ids, counters, top, ids, vocab, values.stride(0), k,
-        SLOTS=slots, EXACT_BLOCK=exact_block, num_warps=4,
+    _redo_kernel[(rows,)](
+        values, slot_values, slot_ids, counters, vocab, values.stride(0), k, SLOTS=slots,
+        EXACT_BLOCK=exact_block, HISTOGRAM=REDO_BY_HISTOGRAM, num_warps=8,
     )  # fmt: skip
+    _select_kernel[(rows,)](slot_values, slot_ids, top, ids, k, SLOTS=slots, num_warps=4)
     return top, ids
 
 

@@ -148,15 +148,19 @@ for dtype in (torch.bfloat16, torch.float32):
     print(compile_launch(Launch(tc._group_max_kernel, group_max, {"num_warps": 4}, rows), 90))
     gather = dict(common, bound_ptr=torch.empty(rows), CHUNK=2048)
     print(compile_launch(Launch(tc._gather_kernel, gather, {"num_warps": 8}, rows), 90))
-    select = dict(common, top_ptr=torch.empty(rows, 128),
-                  ids_ptr=torch.empty(rows, 128, dtype=torch.int64), k=128, EXACT_BLOCK=256)
+    for histogram in (True, False):
+        redo = dict(common, k=128, EXACT_BLOCK=1024, HISTOGRAM=histogram)
+        print(compile_launch(Launch(tc._redo_kernel, redo, {"num_warps": 8}, rows), 90))
+    select = dict(slot_values_ptr=common["slot_values_ptr"], slot_ids_ptr=common["slot_ids_ptr"],
+                  top_ptr=torch.empty(rows, 128), ids_ptr=torch.empty(rows, 128, dtype=torch.int64),
+                  k=128, SLOTS=1024)
     print(compile_launch(Launch(tc._select_kernel, select, {"num_warps": 4}, rows), 90))
 """
 
 
 def test_the_top_candidates_kernels_compile_for_sm_90():
-    """The three launches of the top candidates (the sorts, the atomics, the counts of
-    the exact redo) compile for sm_90, for the model's dtype and for float32 logits."""
+    """The four launches of the top candidates (the sorts, the atomics, both ways of counting
+    in the exact redo) compile for sm_90, for the model's dtype and for float32 logits."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
@@ -170,6 +174,6 @@ def test_the_top_candidates_kernels_compile_for_sm_90():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     compiled = [json.loads(line.replace("'", '"')) for line in result.stdout.splitlines()]
-    assert len(compiled) == 6
+    assert len(compiled) == 10
     for resources in compiled:
         assert 0 < resources["registers"] <= 255, resources

@@ -20,7 +20,7 @@ pytestmark = requires_triton
 # Small groups, chunks and slots on the CPU interpreter, so short rows span several chunks
 # and the slots can overflow; the real sizes on a GPU.
 SIZES = (
-    dict(chunk=8192, groups=256, slots=1024, exact_block=256, gather_chunk=2048)
+    dict(chunk=8192, groups=256, slots=1024, exact_block=1024, gather_chunk=2048)
     if CUDA
     else dict(chunk=64, groups=16, slots=64, exact_block=32, gather_chunk=128)
 )
@@ -58,6 +58,16 @@ def test_random_rows_match_topk(dtype, rows):
     assert_top(values, top, ids, K)
 
 
+@pytest.fixture(params=[True, False], ids=["histogram", "compares"])
+def redo_by_histogram(request, monkeypatch):
+    """The exact redo counts a key's bits by ``tl.histogram`` or by compares."""
+    import kernels.top_candidates as module
+
+    monkeypatch.setattr(module, "REDO_BY_HISTOGRAM", request.param)
+    return request.param
+
+
+@pytest.mark.usefixtures("redo_by_histogram")
 def test_rows_of_few_levels_overflow_their_slots_and_are_redone_exactly():
     g = gen(11)
     rows = 64 if CUDA else 4  # many rows redone at once
@@ -73,6 +83,7 @@ def test_rows_of_few_levels_overflow_their_slots_and_are_redone_exactly():
         assert torch.equal(ids[2], torch.arange(K, device=DEVICE)), f"seed {SEED}"
 
 
+@pytest.mark.usefixtures("redo_by_histogram")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_random_rows_redone_exactly_when_their_slots_overflow(dtype):
     """Slots as few as k: rows of distinct values overflow them, and take the redo."""
