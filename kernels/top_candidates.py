@@ -215,9 +215,10 @@ def _redo_kernel(
     """One program a row: redo a row whose entries overflowed its slots (most rows return
     at once)."""
     row = tl.program_id(0).to(tl.int64)
-    total = tl.load(counters_ptr + row * 2 + 1)
-    tl.store(counters_ptr + row * 2 + 1, 0)  # ready for the next launch
-    if total > SLOTS:
+    # The count is reset by the select launch, not here: each warp loads it on its own, and
+    # a warp loading it after another reset it would skip the redo that the others run,
+    # leaving them at the redo's barriers without it.
+    if tl.load(counters_ptr + row * 2 + 1) > SLOTS:
         _exact_row(
             values_ptr + row * stride_row, vocab, k, slot_values_ptr + row * SLOTS,
             slot_ids_ptr + row * SLOTS, SLOTS, EXACT_BLOCK, HISTOGRAM,
@@ -225,9 +226,12 @@ def _redo_kernel(
 
 
 @triton_jit
-def _select_kernel(slot_values_ptr, slot_ids_ptr, top_ptr, ids_ptr, k, SLOTS: tl.constexpr):
+def _select_kernel(
+    slot_values_ptr, slot_ids_ptr, counters_ptr, top_ptr, ids_ptr, k, SLOTS: tl.constexpr
+):
     """One program a row: sort the slots and write the first ``k``."""
     row = tl.program_id(0).to(tl.int64)
+    tl.store(counters_ptr + row * 2 + 1, 0)  # the gathered count, ready for the next launch
     slot_values = slot_values_ptr + row * SLOTS
     slot_ids = slot_ids_ptr + row * SLOTS
     slots = tl.arange(0, SLOTS)
@@ -281,7 +285,7 @@ def top_candidates_triton(
         values, slot_values, slot_ids, counters, vocab, values.stride(0), k, SLOTS=slots,
         EXACT_BLOCK=exact_block, HISTOGRAM=REDO_BY_HISTOGRAM, num_warps=8,
     )  # fmt: skip
-    _select_kernel[(rows,)](slot_values, slot_ids, top, ids, k, SLOTS=slots, num_warps=4)
+    _select_kernel[(rows,)](slot_values, slot_ids, counters, top, ids, k, SLOTS=slots, num_warps=4)
     return top, ids
 
 

@@ -152,7 +152,7 @@ for dtype in (torch.bfloat16, torch.float32):
         redo = dict(common, k=128, EXACT_BLOCK=1024, HISTOGRAM=histogram)
         print(compile_launch(Launch(tc._redo_kernel, redo, {"num_warps": 8}, rows), 90))
     select = dict(slot_values_ptr=common["slot_values_ptr"], slot_ids_ptr=common["slot_ids_ptr"],
-                  top_ptr=torch.empty(rows, 128), ids_ptr=torch.empty(rows, 128, dtype=torch.int64),
+                  counters_ptr=common["counters_ptr"], top_ptr=torch.empty(rows, 128), ids_ptr=torch.empty(rows, 128, dtype=torch.int64),
                   k=128, SLOTS=1024)
     print(compile_launch(Launch(tc._select_kernel, select, {"num_warps": 4}, rows), 90))
 """
