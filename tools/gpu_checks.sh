@@ -49,7 +49,8 @@ tests)
     tests/test_kernels_linear.py tests/test_kernels_linear_fused.py tests/test_prefill_work.py \
     tests/test_kernels_skinny_gemm.py tests/test_kernels_linear_norm.py \
     tests/test_kernels_argmax.py tests/test_kernels_sampling_race.py \
-    tests/test_kernels_sampling_candidates.py tests/test_kernels_embedding.py \
+    tests/test_kernels_sampling_candidates.py tests/test_kernels_sampling_nucleus.py \
+    tests/test_kernels_top_candidates.py tests/test_kernels_embedding.py \
     tests/test_kernels_decode_inputs.py tests/test_cuda_graphs.py tests/test_compile_ahead.py tests/test_compile_ahead_start_up.py \
     tests/test_overlap.py tests/test_sampler.py tests/test_worker_logprobs.py \
     tests/test_step_profile.py tests/test_prefill_profile.py tests/test_pdl.py \
