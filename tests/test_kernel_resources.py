@@ -109,14 +109,14 @@ for top_p in (False, True):
 """
 
 
-def test_the_sampling_kernels_compile_for_sm_90():
-    """The race and candidates kernels (run after the decode graph, so not in the step
-    above) compile for sm_90 as the worker imports them."""
+def compiled_resources(script: str) -> list[dict[str, int]]:
+    """Runs a script that prints one ``compile_launch`` result a line (outside the
+    interpreter, in a process of its own) and returns the results."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     result = subprocess.run(
-        [sys.executable, "-c", SAMPLING_KERNELS],
+        [sys.executable, "-c", script],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -125,9 +125,15 @@ def test_the_sampling_kernels_compile_for_sm_90():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     compiled = [json.loads(line.replace("'", '"')) for line in result.stdout.splitlines()]
-    assert len(compiled) == 5
     for resources in compiled:
         assert 0 < resources["registers"] <= 255, resources
+    return compiled
+
+
+def test_the_sampling_kernels_compile_for_sm_90():
+    """The race and candidates kernels (run after the decode graph, so not in the step
+    above) compile for sm_90 as the worker imports them."""
+    assert len(compiled_resources(SAMPLING_KERNELS)) == 5
 
 
 TOP_CANDIDATES = """
@@ -152,8 +158,8 @@ for dtype in (torch.bfloat16, torch.float32):
         redo = dict(common, k=128, EXACT_BLOCK=1024, HISTOGRAM=histogram)
         print(compile_launch(Launch(tc._redo_kernel, redo, {"num_warps": 8}, rows), 90))
     select = dict(slot_values_ptr=common["slot_values_ptr"], slot_ids_ptr=common["slot_ids_ptr"],
-                  counters_ptr=common["counters_ptr"], top_ptr=torch.empty(rows, 128), ids_ptr=torch.empty(rows, 128, dtype=torch.int64),
-                  k=128, SLOTS=1024)
+                  counters_ptr=common["counters_ptr"], top_ptr=torch.empty(rows, 128),
+                  ids_ptr=torch.empty(rows, 128, dtype=torch.int64), k=128, SLOTS=1024)
     print(compile_launch(Launch(tc._select_kernel, select, {"num_warps": 4}, rows), 90))
 """
 
@@ -161,19 +167,4 @@ for dtype in (torch.bfloat16, torch.float32):
 def test_the_top_candidates_kernels_compile_for_sm_90():
     """The four launches of the top candidates (the sorts, the atomics, both ways of counting
     in the exact redo) compile for sm_90, for the model's dtype and for float32 logits."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    result = subprocess.run(
-        [sys.executable, "-c", TOP_CANDIDATES],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    compiled = [json.loads(line.replace("'", '"')) for line in result.stdout.splitlines()]
-    assert len(compiled) == 10
-    for resources in compiled:
-        assert 0 < resources["registers"] <= 255, resources
+    assert len(compiled_resources(TOP_CANDIDATES)) == 10
