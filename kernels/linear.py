@@ -84,10 +84,11 @@ def linear_triton(
     bias: torch.Tensor | None = None,
     config: LinearConfig | None = None,
     out: torch.Tensor | None = None,
+    prefetch: str | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N]`` in ``x``'s dtype, written into
     ``out`` when given (2D ``x`` only); a ``PendingNorm`` ``x`` [M, K] is normed on the way
-    in."""
+    in. ``prefetch``: as in ``linear_add_residual_triton``, for the one-row GEMV only."""
     from kernels.linear_configs import pick_config
 
     normed = x if isinstance(x, PendingNorm) else None
@@ -99,12 +100,20 @@ def linear_triton(
         lead = x.shape[:-1]
         return linear_triton(x.reshape(-1, x.shape[-1]), weight, bias, config).view(*lead, -1)
     x = _checked(x, weight)
+    picked = config is None
     config = config or pick_config(x.shape[0], *weight.shape)
     if config is None:
         raise ValueError(f"no Triton linear kernel for {x.shape[0]} rows of {tuple(weight.shape)}")
     load_triton()
     if config.kind == "gemv":
-        return gemv(x, weight, bias, config, normed, out=out)[0]
+        tiles = 0
+        if prefetch and config.block_m == 1:
+            from kernels.linear_configs import prefetch_tiles, prefetching_gemv_config
+
+            if picked:
+                config = prefetching_gemv_config(config, *weight.shape)
+            tiles = prefetch_tiles(config, x.shape[1], prefetch)
+        return gemv(x, weight, bias, config, normed, prefetch_tiles=tiles, out=out)[0]
     return skinny_gemm_with(x, weight, bias, config, normed=normed, out=out)
 
 
@@ -159,9 +168,11 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    prefetch: str | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)``, written into ``out [M, N]`` when given (2D ``x``); a
-    ``PendingNorm`` is applied inside the Triton kernels and materialized first for cuBLAS."""
+    ``PendingNorm`` is applied inside the Triton kernels and materialized first for cuBLAS.
+    ``prefetch``: see ``linear_triton``."""
     if triton_handles(x.hidden if isinstance(x, PendingNorm) else x, weight):
-        return linear_triton(x, weight, bias, out=out)
+        return linear_triton(x, weight, bias, out=out, prefetch=prefetch)
     return linear_ref(as_tensor(x), weight, bias, out)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -254,14 +255,21 @@ MAX_PREFETCH_TILES = 2
 # with one). Steps of two sequences took 2.78 ms with one against 2.82 with two (in process,
 # alternated).
 ROWS_GEMV_PREFETCH_TILES = 1
-# After a bandwidth-bound GEMV (down, after gate/up), one one-row tile fills the gap between
-# the two kernels' streams: with the weights' loads marked evict_first, batch-1 steps at
-# context 128 / 4k took 2.35 / 2.63 ms against 2.38 / 2.66 with none (H200, Qwen3-4B, two
-# alternated rounds); without the eviction hint 2.40 / 2.67 against 2.41 / 2.68. The qkv
-# projection (after down) with one tile took 2.44 / 2.71 against 2.41 / 2.68: its 2-warp
-# programs then need 45 registers and no longer fit the GPU in one round.
+# After a bandwidth-bound GEMV (down after gate/up, qkv after down), one-row tiles fill the
+# gap between the two kernels' streams. Down with one: with the weights' loads marked
+# evict_first, batch-1 steps at context 128 / 4k took 2.35 / 2.63 ms against 2.38 / 2.66 with
+# none (H200, Qwen3-4B, two alternated rounds); without the eviction hint 2.40 / 2.67 against
+# 2.41 / 2.68. The qkv projection with one tile took 2.44 / 2.71 against 2.41 / 2.68: its
+# programs of 2 features (2 warps) then need 45 registers and no longer fit the GPU in one
+# round, so a prefetching one-row GEMV takes 4 features where the rule gives 2 of a 512-wide K
+# tile (``prefetching_gemv_config``: 76 registers, 12 programs a SM, Qwen3-4B's 1,536 qkv
+# programs in one round). On an H100 (Qwen3-4B, copy 3.0 TB/s, bench_latency, alternated
+# rounds on one machine) steps at context 128 / 4k took 3.021-3.031 / 3.334-3.337 ms with two
+# tiles for qkv and down (four rounds) against 3.070-3.077 / 3.376-3.380 with one for down and
+# none for qkv (six rounds); qkv with one tile 3.043 / 3.35 (two rounds); qkv with two and
+# down with one 3.023-3.028 / 3.333-3.338; down with two alone 3.068 / 3.38.
 # ``PEGAINFER_GEMV_STREAM_PREFETCH_TILES`` replaces it.
-GEMV_STREAM_PREFETCH_TILES = 1
+GEMV_STREAM_PREFETCH_TILES = 2
 # The skinny GEMM after a stream (down, after gate/up) reads one tile from 32 rows and none
 # below: in process, alternated, one tile took batch 32 from 4.19 to 4.16 ms a step and batch
 # 8 from 3.16 to 3.18, two tiles 4.16 and 3.20 (H200, Qwen3-4B, 1,024-token prompts); on
@@ -295,6 +303,18 @@ def prefetch_tiles(config: LinearConfig, k: int, after: str = AFTER_IDLE) -> int
             tiles = int(os.environ.get("PEGAINFER_SKINNY_STREAM_PREFETCH_TILES", rule))
         span = cdiv(k, config.split_k)
     return max(0, min(tiles, MAX_PREFETCH_TILES, cdiv(span, config.block_k)))
+
+
+def prefetching_gemv_config(config: LinearConfig, n: int, k: int) -> LinearConfig:
+    """The one-row GEMV tile of an ``N x K`` projection that reads weight tiles before its
+    wait: 4 features a program where the rule gives 2 of a 512-wide K tile, so that its
+    programs, holding the early tiles in registers, still fit the GPU in one round (see
+    ``GEMV_STREAM_PREFETCH_TILES``). A tile set by ``PEGAINFER_LINEAR_TILES`` is kept."""
+    if config.kind != "gemv" or config.block_m != 1 or (config.block_n, config.block_k) != (2, 512):
+        return config
+    if (n, k) in gemv_tile_overrides(os.environ.get("PEGAINFER_LINEAR_TILES", "")):
+        return config
+    return replace(config, block_n=4)
 
 
 def pick_config(num_rows: int, n: int, k: int) -> LinearConfig | None:

@@ -36,10 +36,13 @@ What is read before the wait:
   kernels/linear_configs.py): batch-1 steps 2.52 -> 2.46 ms at context 128;
 - the one-row down GEMV, which follows the gate/up GEMV, reads one weight tile: 2.38 ->
   2.35 ms (with the weights' evict-first hint; 2.41 -> 2.40 without it); the skinny down GEMM
-  does from 32 rows (batch 32 4.19 -> 4.16 ms in process; batch 8 lost, 3.16 -> 3.18).
+  does from 32 rows (batch 32 4.19 -> 4.16 ms in process; batch 8 lost, 3.16 -> 3.18);
+- the one-row qkv and down GEMVs read two tiles, qkv in programs of 4 features so that they
+  still fit the GPU in one round (kernels/linear_configs.py): on an H100 batch-1 steps 3.07
+  -> 3.03 ms at context 128, 3.38 -> 3.34 at 4k.
 Measured and not done: every one-row GEMV reading its first weight tile (2.72 against 2.70
-ms a batch-1 step, an earlier version); the qkv GEMV reading one (2.44 against 2.41 ms: its
-programs then no longer fit the GPU at once); the o projection copying its whole weight slice
+ms a batch-1 step, an earlier version); the qkv GEMV reading one in programs of 2 features
+(2.44 against 2.41 ms: its programs then no longer fit the GPU at once); the o projection copying its whole weight slice
 into shared memory before the wait (Gluon's ``cp.async``; 2.51 against 2.40 ms: decode
 attention's loads queued behind the 21 MB, 8.8 against 6.3 us a layer, and copying only two
 tiles early that way still took 2.49); an L2 prefetch of a linear layer's weight slice and of decode attention's first

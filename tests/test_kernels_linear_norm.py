@@ -30,7 +30,9 @@ from kernels.linear_configs import (
     ROWS_GEMV_PREFETCH_TILES,
     SKINNY_PREFETCH_TILES,
     SKINNY_STREAM_PREFETCH_TILES,
+    pick_config,
     prefetch_tiles,
+    prefetching_gemv_config,
 )
 from kernels.linear_fused import linear_silu_and_mul_ref, linear_silu_and_mul_triton
 from kernels.linear_norm import fused_rows_limit, linear_add_rms_norm, linear_add_rms_norm_ref
@@ -154,15 +156,15 @@ def test_prefetch_tiles_stay_within_the_weight(monkeypatch):
     o_skinny = LinearConfig("skinny", 64, 128, 4, 16, 3, 4)
     assert prefetch_tiles(o_skinny, 4096) == SKINNY_PREFETCH_TILES
     assert prefetch_tiles(o_skinny, 3 * 128) == 1  # one tile a split
-    # After a bandwidth-bound kernel: one one-row tile (down), none for the skinny GEMM.
+    # After a bandwidth-bound kernel: two one-row tiles (down, qkv), none for the skinny GEMM.
     monkeypatch.delenv("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", raising=False)
     monkeypatch.delenv("PEGAINFER_SKINNY_STREAM_PREFETCH_TILES", raising=False)
-    assert prefetch_tiles(o_gemv, 9728, AFTER_STREAM) == GEMV_STREAM_PREFETCH_TILES == 1
+    assert prefetch_tiles(o_gemv, 9728, AFTER_STREAM) == GEMV_STREAM_PREFETCH_TILES == 2
     assert prefetch_tiles(o_skinny, 9728, AFTER_STREAM) == 0  # 16 rows
     down_32 = LinearConfig("skinny", 64, 128, 4, 32, 3, 4)
     assert prefetch_tiles(down_32, 9728, AFTER_STREAM) == SKINNY_STREAM_PREFETCH_TILES == 1
-    monkeypatch.setenv("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", "2")
-    assert prefetch_tiles(o_gemv, 9728, AFTER_STREAM) == 2
+    monkeypatch.setenv("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", "1")
+    assert prefetch_tiles(o_gemv, 9728, AFTER_STREAM) == 1
     monkeypatch.setenv("PEGAINFER_SKINNY_STREAM_PREFETCH_TILES", "1")
     assert prefetch_tiles(o_skinny, 9728, AFTER_STREAM) == 1
     with pytest.raises(ValueError, match="unknown prefetch"):
@@ -171,6 +173,38 @@ def test_prefetch_tiles_stay_within_the_weight(monkeypatch):
     assert prefetch_tiles(o_gemv, 4096) == 0
     monkeypatch.setenv("PEGAINFER_SKINNY_PREFETCH_TILES", "9")
     assert prefetch_tiles(o_skinny, 4096 * 4) == MAX_PREFETCH_TILES
+
+
+@pytest.mark.parametrize("tiles", ["1", "2"])
+def test_a_consumer_reading_weight_tiles_early_gives_the_same_bits(tiles, monkeypatch):
+    """The qkv projection's GEMV reads weight tiles before its wait and applies the pending
+    norm as before: the same bits as without, over whole tiles and a partial last one."""
+    monkeypatch.setenv("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", tiles)
+    pending, normed = _pending(1, 80, DTYPES[-1], 23, PRODUCERS[0][3])
+    for n, config in ((40, LinearConfig("gemv", 4, 32, 1)), (24, LinearConfig("gemv", 2, 64, 2))):
+        weight = randn(n, 80, g=gen(n), dtype=pending.hidden.dtype, scale=80**-0.5)
+        plain = linear_triton(pending, weight, None, config)
+        with poisoned():
+            early = linear_triton(pending, weight, None, config, prefetch=AFTER_STREAM)
+        check(early, linear_ref(normed, weight), f"{config} prefetching {tiles}")
+        assert torch.equal(early, plain), f"{config}: prefetching {tiles} changed the output"
+    assert _counters_clear()
+
+
+def test_a_prefetching_gemv_takes_four_features_where_the_rule_gives_two(monkeypatch):
+    monkeypatch.delenv("PEGAINFER_LINEAR_TILES", raising=False)
+    qkv = pick_config(1, 6144, 2560)
+    assert (qkv.block_n, qkv.block_k) == (2, 512)
+    assert prefetching_gemv_config(qkv, 6144, 2560) == LinearConfig(
+        "gemv", 4, 512, 2, num_stages=qkv.num_stages
+    )
+    down = pick_config(1, 2560, 9728)  # 1,024-wide K tiles: kept
+    assert prefetching_gemv_config(down, 2560, 9728) == down
+    rows = pick_config(2, 6144, 2560)
+    assert prefetching_gemv_config(rows, 6144, 2560) == rows
+    monkeypatch.setenv("PEGAINFER_LINEAR_TILES", "6144,2560=2,512,2")
+    set_by_hand = pick_config(1, 6144, 2560)
+    assert prefetching_gemv_config(set_by_hand, 6144, 2560) == set_by_hand
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

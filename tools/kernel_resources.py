@@ -241,7 +241,7 @@ def decode_step_launches(
     with caught_launches() as launches:
         qkv_weight = _empty(q_size + 2 * kv_size, hidden)
         if pick_config(rows, *qkv_weight.shape) is not None:
-            qkv = step("qkv", lambda: linear_triton(pending(), qkv_weight))
+            qkv = step("qkv", lambda: linear_triton(pending(), qkv_weight, prefetch=AFTER_STREAM))
         else:
             qkv = _empty(rows, q_size + 2 * kv_size)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

@@ -61,9 +61,16 @@ def _new_param(*shape: int) -> nn.Parameter:
 
 class ColumnParallelLinear(nn.Module):
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        gather_output: bool = False,
+        prefetch_weight: str | None = None,
     ) -> None:
+        """``prefetch_weight``: as in ``RowParallelLinear``, for the one-row GEMV."""
         super().__init__()
+        self.prefetch_weight = prefetch_weight
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.input_size = input_size
         self.output_size = output_size
@@ -86,7 +93,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor | kernels.PendingNorm) -> torch.Tensor:
-        out = kernels.linear(x, self.weight, self.bias)
+        out = kernels.linear(x, self.weight, self.bias, prefetch=self.prefetch_weight)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -134,6 +141,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_heads: int,
         total_num_kv_heads: int,
         bias: bool = False,
+        prefetch_weight: str | None = None,
     ) -> None:
         tp_size = get_tp_size()
         self.head_dim = head_dim
@@ -147,7 +155,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = divide(total_num_kv_heads, tp_size)
             self.kv_replicas = 1
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
-        super().__init__(hidden_size, output_size, bias=bias)
+        super().__init__(hidden_size, output_size, bias=bias, prefetch_weight=prefetch_weight)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
 

@@ -46,6 +46,9 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
             bias=config.attention_bias,
+            # Its input comes from the down projection (or the embedding), which streams its
+            # weight to its end: qkv reads its first weight tiles meanwhile.
+            prefetch_weight=AFTER_STREAM,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
