@@ -56,9 +56,11 @@ def test_tool_compiles_every_kernel_of_a_one_row_step(tmp_path):
         assert 1 <= kernel["per_sm"] <= 32, kernel
         assert kernel["programs"] > 0, kernel
     by_part = {k["part"]: k for k in kernels}
-    # Qwen3-4B at one row: 6,144 qkv features two a program; o's weight read early costs
-    # registers, not shared memory (the GEMV has none but its reduction's scratch).
-    assert by_part["qkv"]["programs"] == 3072
+    # Qwen3-4B at one row: 6,144 qkv features four a program, whose weight tiles read before
+    # the wait still fit the GPU in one round; o's weight read early costs registers, not
+    # shared memory (the GEMV has none but its reduction's scratch).
+    assert by_part["qkv"]["programs"] == 1536
+    assert by_part["qkv"]["rounds"] <= 1.0
     assert by_part["o"]["kernel"] == "_gemv_kernel"
     assert by_part["o"]["shared"] <= 2048
     assert "decode-step kernels, qwen3 4b" in result.stdout
