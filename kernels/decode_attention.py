@@ -24,7 +24,11 @@ done inside this kernel, by every split program before its first K/V load, they 
 batch-1 decode slower on an H200 (2.57 against 2.55 ms a step at context 128). Programs
 taking 1 or 2 of a group's 4 query heads (more programs, fewer splits, each reading the
 group's K/V) were slower at every batch: 3.20 / 3.51 against 3.04 ms a step at 8 sequences,
-4.40 / 5.83 against 4.03 at 32 (Qwen3-4B, in process).
+4.40 / 5.83 against 4.03 at 32 (Qwen3-4B, in process). Computed inside the o projection's
+programs for one sequence (each tile of o's features attending for its KV head, the heads'
+partial products added by the last to finish), batch-1 steps at context 128 took 3.19-3.47
+against 3.08 ms on an H100: every tile re-reads the keys and values and streams most of its
+weight only after its attention (tools/README.md, thirty-sixth session).
 """
 
 from __future__ import annotations
