@@ -270,6 +270,35 @@ def test_bench_latency(micro_dir, tmp_path):
     assert "prefill ms (median of 3)" in stdout
 
 
+def test_bench_latency_without_parts_of_the_step(micro_dir, tmp_path):
+    """``--without`` leaves decode attention and rotary out of the decode steps (timing only)
+    and says so in the table; an unknown part is refused before the model loads."""
+    stdout, _ = run_tool(
+        "bench_latency",
+        "--model-path", micro_dir,
+        "--device", "cpu",
+        "--contexts", "8",
+        "--steps", "3",
+        "--warmup-steps", "1",
+        "--prefill-repeats", "1",
+        "--without", "attention,rotary",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    payload = outputs(tmp_path, "latency")
+    assert "without attention and rotary (timing only)" in payload["table"]
+    assert payload["args"]["without"] == "attention,rotary"
+    assert payload["results"][0]["steps"] == 3
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.bench_latency", "--model-path", micro_dir, "--without", "o"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **CPU_ENV},
+    )
+    assert proc.returncode != 0 and "--without: unknown step parts o" in proc.stderr
+
+
 def test_bench_ab_alternates_bench_latency_variants(micro_dir, tmp_path):
     stdout, _ = run_tool(
         "bench_ab",

@@ -13,6 +13,10 @@ runner captures CUDA graphs (not ``--enforce-eager``), the decode steps replay t
 
 The roofline of a decode step is (weight bytes + KV bytes of the context) over the copy
 bandwidth measured here; tok/s at the roofline is its inverse.
+
+``--without attention,rotary`` leaves those parts out of the decode steps
+(tools/step_ablation.py): how long each holds a step up, with the tokens no longer the
+model's.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from tools.bench_model import (
     load_model_shape,
     prefill_roofline_s,
 )
+from tools.step_ablation import parse_parts, without
 
 BLOCK_SIZE = 16
 # Sequence ids of the repeated prefills, clear of the contexts' own (0, 1, ...).
@@ -73,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile",
         action="store_true",
         help="also profile decode steps at the first context and print where the GPU time goes",
+    )
+    p.add_argument(
+        "--without",
+        default="",
+        help="decode-step parts to leave out, comma separated (attention, rotary): timing "
+        "only, the tokens are then not the model's",
     )
     p.add_argument("--out", default="bench_results")
     p.add_argument("--name", default="latency")
@@ -301,6 +312,17 @@ def summarize_context(raw: dict[str, Any], shape: ModelShape, roof: Roofline) ->
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    try:
+        left_out = parse_parts(args.without)
+    except ValueError as error:
+        raise SystemExit(f"--without: {error}") from None
+    with without(left_out):
+        return run(args, argv, left_out)
+
+
+def run(
+    args: argparse.Namespace, argv: list[str] | None, left_out: tuple[str, ...]
+) -> dict[str, Any]:
     contexts = parse_int_list(args.contexts)
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
@@ -355,8 +377,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
+    missing = f", without {' and '.join(left_out)} (timing only)" if left_out else ""
     text = print_table(
-        f"batch-1 decode, {shape.architecture}, {roof.dtype}, {roof.device}",
+        f"batch-1 decode, {shape.architecture}, {roof.dtype}, {roof.device}{missing}",
         [
             "context",
             "ms/step",
