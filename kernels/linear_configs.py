@@ -262,8 +262,8 @@ ROWS_GEMV_PREFETCH_TILES = 1
 # 2.41 / 2.68. The qkv projection with one tile took 2.44 / 2.71 against 2.41 / 2.68: its
 # programs of 2 features (2 warps) then need 45 registers and no longer fit the GPU in one
 # round, so a prefetching one-row GEMV takes 4 features where the rule gives 2 of a 512-wide K
-# tile (``prefetching_gemv_config``: 76 registers, 12 programs a SM, Qwen3-4B's 1,536 qkv
-# programs in one round). On an H100 (Qwen3-4B, copy 3.0 TB/s, bench_latency, alternated
+# tile (``prefetching_gemv_config``: compiled for sm_90, 70 registers, 14 programs a SM,
+# Qwen3-4B's 1,536 qkv programs in one round). On an H100 (Qwen3-4B, copy 3.0 TB/s, bench_latency, alternated
 # rounds on one machine) steps at context 128 / 4k took 3.021-3.031 / 3.334-3.337 ms with two
 # tiles for qkv and down (four rounds) against 3.070-3.077 / 3.376-3.380 with one for down and
 # none for qkv (six rounds); qkv with one tile 3.043 / 3.35 (two rounds); qkv with two and
