@@ -289,9 +289,9 @@ def prefetch_tiles(config: LinearConfig, k: int, after: str = AFTER_IDLE) -> int
             rule = GEMV_PREFETCH_TILES if config.block_m == 1 else ROWS_GEMV_PREFETCH_TILES
             tiles = int(os.environ.get("PEGAINFER_GEMV_PREFETCH_TILES", rule))
         else:
-            tiles = int(
-                os.environ.get("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", GEMV_STREAM_PREFETCH_TILES)
-            )
+            # Two rows keep one tile, as after attention (ROWS_GEMV_PREFETCH_TILES).
+            rule = GEMV_STREAM_PREFETCH_TILES if config.block_m == 1 else ROWS_GEMV_PREFETCH_TILES
+            tiles = int(os.environ.get("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", rule))
         span = k
     else:
         if after == AFTER_IDLE:

@@ -168,7 +168,7 @@ def test_prefetch_tiles_stay_within_the_weight(monkeypatch):
     assert prefetch_tiles(o_gemv, 900) == 1  # all of K in one tile
     rows_o = LinearConfig("gemv", 2, 1024, 4, block_m=2)
     assert prefetch_tiles(rows_o, 4096) == ROWS_GEMV_PREFETCH_TILES == 1
-    assert prefetch_tiles(rows_o, 9728, AFTER_STREAM) == GEMV_STREAM_PREFETCH_TILES
+    assert prefetch_tiles(rows_o, 9728, AFTER_STREAM) == ROWS_GEMV_PREFETCH_TILES == 1
     o_skinny = LinearConfig("skinny", 64, 128, 4, 16, 3, 4)
     assert prefetch_tiles(o_skinny, 4096) == SKINNY_PREFETCH_TILES
     assert prefetch_tiles(o_skinny, 3 * 128) == 1  # one tile a split
