@@ -299,6 +299,36 @@ def test_bench_latency_without_parts_of_the_step(micro_dir, tmp_path):
     assert proc.returncode != 0 and "--without: unknown step parts o" in proc.stderr
 
 
+def test_bench_throughput_inprocess_without_attention(micro_dir, tmp_path):
+    """The in-process sweep takes ``--without`` too; the process tree cannot."""
+    stdout, _ = run_tool(
+        "bench_throughput",
+        "--engine", "inprocess",
+        "--model-path", micro_dir,
+        "--device", "cpu",
+        "--batches", "2",
+        "--input-len", "8",
+        "--output-len", "3",
+        "--without", "attention",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    payload = outputs(tmp_path, "throughput")
+    assert "without attention (timing only)" in payload["table"]
+    assert payload["results"][0]["output_tokens"] == 6
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "tools.bench_throughput", "--model-path", micro_dir,
+            "--without", "rotary",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **CPU_ENV},
+    )  # fmt: skip
+    assert proc.returncode != 0 and "--without needs --engine inprocess" in proc.stderr
+
+
 def test_bench_ab_alternates_bench_latency_variants(micro_dir, tmp_path):
     stdout, _ = run_tool(
         "bench_ab",

@@ -51,6 +51,7 @@ from tools.bench_model import (
     load_model_shape,
 )
 from tools.bench_sampler import PRESETS as SAMPLING_PRESETS
+from tools.step_ablation import parse_parts, without
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="inprocess engine: profile the prefill of the largest batch's prompts (each asking "
         "one token) and print where the GPU time goes, beside each part's FLOP or byte floor",
+    )
+    p.add_argument(
+        "--without",
+        default="",
+        help="inprocess engine: decode-step parts to leave out, comma separated (attention, "
+        "rotary; tools/step_ablation.py): timing only, the tokens are then not the model's",
     )
     p.add_argument("--hf-baseline", action="store_true", help="also run HF transformers generate")
     p.add_argument("--hf-batches", default="1,64")
@@ -258,6 +265,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--profile-batches needs --engine inprocess and batches of --batches")
     if args.profile_prefill and args.engine != "inprocess":
         raise SystemExit("--profile-prefill needs --engine inprocess")
+    try:
+        left_out = parse_parts(args.without)
+    except ValueError as error:
+        raise SystemExit(f"--without: {error}") from None
+    if left_out and args.engine != "inprocess":
+        raise SystemExit("--without needs --engine inprocess")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     shape = load_model_shape(args.model_path, dtype_bytes=dtype.itemsize)
@@ -267,7 +280,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.engine == "server":
         rows = sweep_server(args, batches)
     else:
-        rows = sweep_inprocess(args, batches, shape, roof)
+        with without(left_out):
+            rows = sweep_inprocess(args, batches, shape, roof)
     add_rooflines(rows, args, shape, roof)
     how = (
         "the process tree (HTTP streaming; step = median inter-token latency)"
@@ -278,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     title = (
         f"offline throughput through {how}: {args.input_len} in, {args.output_len} out, "
         f"ignore_eos, {args.sampling} sampling, {shape.architecture}, {roof.dtype}, "
-        f"{roof.device}"
+        f"{roof.device}" + (f", without {' and '.join(left_out)} (timing only)" if left_out else "")
     )
     text = print_table(
         title,

@@ -6,7 +6,9 @@ not run at all, and the step is timed as usual: the difference is what the step 
 that part's critical path, an upper bound for fusing it away. The outputs are then not the
 model's (the tokens are garbage), so this is for timing only.
 
-Parts, in decode steps only (prefills run whole, so the cache and the sequence are real):
+``bench_latency --without PARTS`` and ``bench_throughput --engine inprocess --without PARTS``
+take it. Parts, in decode steps only (prefills run whole, so the cache and the sequence are
+real):
 - ``attention``: decode attention returns q, which the o projection reads in its place;
 - ``rotary``: q and k are not rotated or normed, and no key or value is written to the cache.
 
