@@ -264,7 +264,7 @@ ROWS_GEMV_PREFETCH_TILES = 1
 # round, so a prefetching one-row GEMV takes 4 features where the rule gives 2 of a 512-wide K
 # tile (``prefetching_gemv_config``: compiled for sm_90, 70 registers, 14 programs a SM,
 # Qwen3-4B's 1,536 qkv programs in one round). On an H100 (Qwen3-4B, copy 3.0 TB/s, bench_latency, alternated
-# rounds on one machine) steps at context 128 / 4k took 3.021-3.031 / 3.334-3.337 ms with two
+# rounds on one machine) steps at context 128 / 4k took 3.021-3.031 / 3.333-3.337 ms with two
 # tiles for qkv and down (four rounds) against 3.070-3.077 / 3.376-3.380 with one for down and
 # none for qkv (six rounds); qkv with one tile 3.043 / 3.35 (two rounds); qkv with two and
 # down with one 3.023-3.028 / 3.333-3.338; down with two alone 3.068 / 3.38.
