@@ -36,8 +36,8 @@ def micro_dir(tmp_path_factory) -> str:
     return make_checkpoint(str(out), arch="qwen3", preset="micro", seed=0, dtype="float32")
 
 
-def run_tool(module: str, *args: str, env: dict[str, str] | None = None) -> tuple[str, str]:
-    proc = subprocess.run(
+def _run(module: str, *args: str, env: dict[str, str] | None = None):
+    return subprocess.run(
         [sys.executable, "-m", f"tools.{module}", *args],
         cwd=REPO,
         capture_output=True,
@@ -45,8 +45,19 @@ def run_tool(module: str, *args: str, env: dict[str, str] | None = None) -> tupl
         timeout=300,
         env={**os.environ, **CPU_ENV, **(env or {})},
     )
+
+
+def run_tool(module: str, *args: str, env: dict[str, str] | None = None) -> tuple[str, str]:
+    proc = _run(module, *args, env=env)
     assert proc.returncode == 0, f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout, proc.stderr
+
+
+def refused(module: str, *args: str) -> str:
+    """The error output of a tool run that must fail."""
+    proc = _run(module, *args)
+    assert proc.returncode != 0, f"{module} ran:\n{proc.stdout[-3000:]}"
+    return proc.stderr
 
 
 def outputs(out_dir, name: str) -> dict:
@@ -288,15 +299,8 @@ def test_bench_latency_without_parts_of_the_step(micro_dir, tmp_path):
     assert "without attention and rotary (timing only)" in payload["table"]
     assert payload["args"]["without"] == "attention,rotary"
     assert payload["results"][0]["steps"] == 3
-    proc = subprocess.run(
-        [sys.executable, "-m", "tools.bench_latency", "--model-path", micro_dir, "--without", "o"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **CPU_ENV},
-    )
-    assert proc.returncode != 0 and "--without: unknown step parts o" in proc.stderr
+    stderr = refused("bench_latency", "--model-path", micro_dir, "--without", "o")
+    assert "--without: unknown step parts o" in stderr
 
 
 def test_bench_throughput_inprocess_without_attention(micro_dir, tmp_path):
@@ -315,18 +319,8 @@ def test_bench_throughput_inprocess_without_attention(micro_dir, tmp_path):
     payload = outputs(tmp_path, "throughput")
     assert "without attention (timing only)" in payload["table"]
     assert payload["results"][0]["output_tokens"] == 6
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "tools.bench_throughput", "--model-path", micro_dir,
-            "--without", "rotary",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **CPU_ENV},
-    )  # fmt: skip
-    assert proc.returncode != 0 and "--without needs --engine inprocess" in proc.stderr
+    stderr = refused("bench_throughput", "--model-path", micro_dir, "--without", "rotary")
+    assert "--without needs --engine inprocess" in stderr
 
 
 def test_bench_ab_alternates_bench_latency_variants(micro_dir, tmp_path):
