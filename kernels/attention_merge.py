@@ -23,7 +23,7 @@ instead (a tile's splits launched as one thread-block cluster, splits 1.. storin
 0's shared memory, one cluster barrier) gave the same bits on an H200 but was slower: the
 o projection alone at 8 rows 9.5 against 8.2 us, of which the cluster launch alone (merging
 through global memory) cost 0.9; decode steps at batch 8 / 32 3.14 / 4.53 against 3.00 /
-3.96 ms (tools/README.md, twenty-fifth session).
+3.96 ms (tools/MEASUREMENTS.md, twenty-fifth session).
 """
 
 from __future__ import annotations

@@ -186,6 +186,6 @@ def weight_eviction() -> str:
     (activations, the residual stream, norm slots, attention partials, the KV cache at
     short contexts) resident; plain loads with ``PEGAINFER_EVICT_WEIGHTS=0``. On an H200 a
     Qwen3-4B step at context 128 / 4k took 2.38 / 2.66 ms against 2.41 / 2.68
-    (tools/README.md). Triton 3.6 drops the hint from loads it pipelines through shared
+    (tools/MEASUREMENTS.md). Triton 3.6 drops the hint from loads it pipelines through shared
     memory (``cp.async``), so it reaches only unpipelined K loops."""
     return _weight_eviction(os.environ.get("PEGAINFER_EVICT_WEIGHTS", "1"))

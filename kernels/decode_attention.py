@@ -28,7 +28,7 @@ group's K/V) were slower at every batch: 3.20 / 3.51 against 3.04 ms a step at 8
 programs for one sequence (each tile of o's features attending for its KV head, the heads'
 partial products added by the last to finish), batch-1 steps at context 128 took 3.19-3.47
 against 3.08 ms on an H100: every tile re-reads the keys and values and streams most of its
-weight only after its attention (tools/README.md, thirty-sixth session).
+weight only after its attention (tools/MEASUREMENTS.md, thirty-sixth session).
 """
 
 from __future__ import annotations

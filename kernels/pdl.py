@@ -22,7 +22,7 @@ programs placed beside the running ones. The skinny GEMM that ends in the add (o
 4-32 rows, kernels/skinny_gemm.py) launched its successor late too while the gate/up
 projection's programs were small enough to sit two a SM beside it (3-14% slower early). Since
 gate/up runs one 137 KB program a SM (132 groups), early launch gains: batch 4 / 8 / 16 / 32
-2.99 / 3.08 / 3.36 / 4.06 -> 2.95 / 3.03 / 3.33 / 4.03 ms a step (tools/README.md, 12-04).
+2.99 / 3.08 / 3.36 / 4.06 -> 2.95 / 3.03 / 3.33 / 4.03 ms a step (tools/MEASUREMENTS.md, 12-04).
 ``PEGAINFER_LATE_LAUNCH`` names the kernels that launch their successor late instead, to try
 another choice in whole steps.
 
@@ -55,7 +55,7 @@ context 128 / 4k against 2.37 / 2.65, batches 8 / 32 unchanged or slower); decod
 sending its split's keys and values to L2 before the wait (sm_90's bulk prefetch, one token's
 key and value a thread, no registers held: the first 64 tokens or the whole split), batch 1
 2.48 against 2.36 ms at context 128 (2.70 / 2.71 against 2.62 at 4k), batch 8 3.09 / 3.15
-against 3.04, batch 32 4.08 / 4.54 against 4.05 (tools/README.md, twenty-fourth session).
+against 3.04, batch 32 4.08 / 4.54 against 4.05 (tools/MEASUREMENTS.md, twenty-fourth session).
 The kernels between two decode steps (the token readback, the upload, the graph's input
 loader) launched with PDL, the upload reading the host's buffer before its wait: the stretch
 from the LM head's end to the next step's first projection went from 18.3 to 13.8 us at
@@ -64,13 +64,13 @@ unchanged); the cause was not found.
 The skinny GEMM of 2-64 rows reading one or two weight tiles before the wait was 0.1-0.5 us
 slower a projection than reading none alone (``tools/tune_linear``, nothing to overlap).
 Extra programs of decode attention's grid prefetching the o projection's weight into L2 (no
-wait, no fork) made batch-1 decode 2.64-2.69 ms a step against 2.60 (tools/README.md); the
+wait, no fork) made batch-1 decode 2.64-2.69 ms a step against 2.60 (tools/MEASUREMENTS.md); the
 same with sm_90's bulk prefetch (``cp.async.bulk.prefetch.L2``, one instruction a range,
 nothing to wait for), issued by attention's own programs, 2.48 against 2.41 ms: attention's
 K/V loads queued behind the prefetches, and o gained 0.3 us a layer. Each projection's own
 programs sending their next weight tiles to L2 that way before the wait (one range a row)
 gained nothing either: batch 1 2.36-2.41 against 2.37 ms, 8 / 32 rows 3.19-3.20 / 4.19-4.21
-against 3.16 / 4.15 (tools/README.md, twentieth session).
+against 3.16 / 4.15 (tools/MEASUREMENTS.md, twentieth session).
 Other late launchers than the default were measured in whole steps and none gained (decode
 attention, rotary, the one-row GEMVs), nor did the late-launching skinny GEMM letting its
 successor launch after its K loop rather than at its end (3% slower at 8-32 rows); nor decode attention

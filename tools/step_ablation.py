@@ -13,7 +13,7 @@ real):
 - ``rotary``: q and k are not rotated or normed, and no key or value is written to the cache.
 
 On an H100 (Qwen3-4B, batch 1, context 128) a step took 3.07 ms, 2.95 without attention and
-2.89 without both (tools/README.md, thirty-sixth session).
+2.89 without both (tools/MEASUREMENTS.md, thirty-sixth session).
 """
 
 from __future__ import annotations
