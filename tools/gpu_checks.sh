@@ -7,6 +7,10 @@
 #   bash tools/gpu_checks.sh bench    # latency and throughput with step profiles, HF baseline,
 #                                     # kernels, linear layers, prefix TTFT
 #   bash tools/gpu_checks.sh serve    # startup time and memory, online serving load
+#   bash tools/gpu_checks.sh figures  # the figures of tools/README.md's top table, in about
+#                                     # eight minutes: batch-1 latency (with and without
+#                                     # decode attention), the served sweep with HF's
+#                                     # baseline, start-up and memory
 #   bash tools/gpu_checks.sh ab VAR   # batch-1 latency with VAR=0 against the default,
 #                                     # alternated (e.g. PEGAINFER_FUSED_GEMV, PEGAINFER_PDL)
 #
@@ -81,6 +85,18 @@ serve)
   step bench_serving python3 -m tools.bench_serving --launch --model-path "$ckpt" \
     --request-rate 32 --num-prompts 200 --input-len 1024 --input-len-range 0.5 --output-len 128 \
     --out "$out/serving"
+  ;;
+figures)
+  need_checkpoint
+  step latency python3 -m tools.bench_latency --model-path "$ckpt" --out "$out/figures" \
+    --name latency --contexts 128,4096 --steps 64
+  step latency_without_attention python3 -m tools.bench_latency --model-path "$ckpt" \
+    --out "$out/figures" --name latency_without_attention --contexts 128,4096 --steps 64 \
+    --without attention
+  step throughput python3 -m tools.bench_throughput --model-path "$ckpt" \
+    --out "$out/figures" --name throughput --hf-baseline
+  step startup python3 -m tools.bench_startup --model-path "$ckpt" --out "$out/figures" \
+    --name startup --runs 3
   ;;
 ab)
   var="${2:?ab needs the environment variable to turn off, e.g. PEGAINFER_FUSED_GEMV}"
