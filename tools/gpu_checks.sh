@@ -7,10 +7,11 @@
 #   bash tools/gpu_checks.sh bench    # latency and throughput with step profiles, HF baseline,
 #                                     # kernels, linear layers, prefix TTFT
 #   bash tools/gpu_checks.sh serve    # startup time and memory, online serving load
-#   bash tools/gpu_checks.sh figures  # the figures of tools/README.md's top table, in about
-#                                     # eight minutes: batch-1 latency (with and without
-#                                     # decode attention), the served sweep with HF's
-#                                     # baseline, start-up and memory
+#   bash tools/gpu_checks.sh figures  # the figures of tools/README.md's top table, sized for
+#                                     # one device call: batch-1 latency (with and without
+#                                     # decode attention) and its step profile, the served
+#                                     # sweep with HF's baseline, batch 8's step profile,
+#                                     # start-up and memory
 #   bash tools/gpu_checks.sh ab VAR   # batch-1 latency with VAR=0 against the default,
 #                                     # alternated (e.g. PEGAINFER_FUSED_GEMV, PEGAINFER_PDL)
 #
@@ -89,12 +90,15 @@ serve)
 figures)
   need_checkpoint
   step latency python3 -m tools.bench_latency --model-path "$ckpt" --out "$out/figures" \
-    --name latency --contexts 128,4096 --steps 64
+    --name latency --contexts 128,4096 --steps 64 --profile
   step latency_without_attention python3 -m tools.bench_latency --model-path "$ckpt" \
     --out "$out/figures" --name latency_without_attention --contexts 128,4096 --steps 64 \
     --without attention
   step throughput python3 -m tools.bench_throughput --model-path "$ckpt" \
     --out "$out/figures" --name throughput --hf-baseline
+  step throughput_profile python3 -m tools.bench_throughput --model-path "$ckpt" \
+    --out "$out/figures" --name throughput_profile --engine inprocess --batches 8,32 \
+    --output-len 64 --profile-batches 8
   step startup python3 -m tools.bench_startup --model-path "$ckpt" --out "$out/figures" \
     --name startup --runs 3
   ;;
