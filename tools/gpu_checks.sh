@@ -11,7 +11,7 @@
 #                                     # one device call: batch-1 latency (with and without
 #                                     # decode attention) and its step profile, the served
 #                                     # sweep with HF's baseline, batch 8's step profile,
-#                                     # start-up and memory
+#                                     # start-up and memory, host time per step (this host's CPU)
 #   bash tools/gpu_checks.sh ab VAR   # batch-1 latency with VAR=0 against the default,
 #                                     # alternated (e.g. PEGAINFER_FUSED_GEMV, PEGAINFER_PDL)
 #
@@ -101,6 +101,8 @@ figures)
     --output-len 64 --profile-batches 8
   step startup python3 -m tools.bench_startup --model-path "$ckpt" --out "$out/figures" \
     --name startup --runs 3
+  step host_overhead python3 -m tools.bench_overhead --skip-pipeline --out "$out/figures" \
+    --name host_overhead
   ;;
 ab)
   var="${2:?ab needs the environment variable to turn off, e.g. PEGAINFER_FUSED_GEMV}"
