@@ -49,8 +49,11 @@ def settings(rows: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def sorted_cut(values, inv_temperature, top_p, min_p) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kept set the sorted path keeps, and each row's distance of its top-p bound from
-    rounding: the mass before the first cut token minus top-p (large: no near-tie)."""
+    """The kept set the sorted path keeps, and each row's distance of its cuts from rounding
+    (large: no near-tie): the mass before each token minus top-p, a sum of many terms whose
+    rounding is absolute; and each token's probability over the first's against min-p,
+    relative, as a quotient's rounding is. A cut that is off has no bound to tie with: a row
+    without min-p would otherwise count its tail's tiny ratios as near-ties."""
     scores = values.float() * inv_temperature.unsqueeze(1)
     ordered, order = scores.sort(dim=1, descending=True)
     probs = ordered.softmax(dim=1)
@@ -58,10 +61,13 @@ def sorted_cut(values, inv_temperature, top_p, min_p) -> tuple[torch.Tensor, tor
     keep_sorted = before <= top_p.unsqueeze(1)
     keep_sorted &= probs >= min_p.unsqueeze(1) * probs[:, :1]
     keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
-    margin = (before - top_p.unsqueeze(1)).abs().amin(dim=1)
+    top_p_margin = (before - top_p.unsqueeze(1)).abs().amin(dim=1)
     ratio = probs / probs[:, :1]
-    margin = torch.minimum(margin, (ratio - min_p.unsqueeze(1)).abs().amin(dim=1))
-    return keep, margin
+    min_p_margin = (ratio / min_p.unsqueeze(1) - 1.0).abs().amin(dim=1)
+    off = torch.full_like(top_p_margin, float("inf"))
+    top_p_margin = torch.where(top_p < 1.0, top_p_margin, off)
+    min_p_margin = torch.where(min_p > 0.0, min_p_margin, off)
+    return keep, torch.minimum(top_p_margin, min_p_margin)
 
 
 @pytest.mark.parametrize("rows, vocab, scale", [(12, 3000, 2.0), (9, 1500, 6.0), (6, 4000, 0.5)])
