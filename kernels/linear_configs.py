@@ -267,7 +267,9 @@ ROWS_GEMV_PREFETCH_TILES = 1
 # rounds on one machine) steps at context 128 / 4k took 3.021-3.031 / 3.333-3.337 ms with two
 # tiles for qkv and down (four rounds) against 3.070-3.077 / 3.376-3.380 with one for down and
 # none for qkv (six rounds); qkv with one tile 3.043 / 3.35 (two rounds); qkv with two and
-# down with one 3.023-3.028 / 3.333-3.338; down with two alone 3.068 / 3.38.
+# down with one 3.023-3.028 / 3.333-3.338; down with two alone 3.068 / 3.38. On an H200 (copy
+# 4.1 TB/s, two alternated rounds) two for both took 2.34-2.35 / 2.60 ms, one 2.36 / 2.61-2.62,
+# none 2.41 / 2.68; against the code before (down one, qkv none) 2.34-2.35 / 2.61 and 2.36 / 2.62.
 # ``PEGAINFER_GEMV_STREAM_PREFETCH_TILES`` replaces it.
 GEMV_STREAM_PREFETCH_TILES = 2
 # The skinny GEMM after a stream (down, after gate/up) reads one tile from 32 rows and none
