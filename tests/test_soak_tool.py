@@ -1,11 +1,17 @@
-"""tools/soak.py's request mix and its KV-cache fill, against a stand-in HTTP server."""
+"""tools/soak.py's request mix, its KV-cache fill and how it counts answers, against a
+stand-in HTTP server; the processes a stopped tree leaves behind."""
 
 from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import psutil
 
 from tools import soak
 
@@ -69,3 +75,88 @@ def test_the_mix_takes_every_sampling_path_and_some_invalid_requests():
     assert any(b.get("guided_regex") == "[0-9" for b in constrained)
     assert all(b["min_tokens"] <= b["max_tokens"] for b in edited)
     assert not any("top_k" in b or "presence_penalty" in b for b in defaults)
+
+
+class _Answers(BaseHTTPRequestHandler):
+    """Answers every request with ``status`` and a short JSON error."""
+
+    status = 500
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers["Content-Length"]))
+        data = json.dumps({"error": {"message": f"status {self.status}"}}).encode()
+        self.send_response(self.status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:  # noqa: ANN002 - silence the per-request lines
+        pass
+
+
+def _run_clients_against(status: int) -> soak.Counters:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
+    _Answers.status = status
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    counters = soak.Counters()
+    try:
+        soak.client_loop(
+            "127.0.0.1", server.server_address[1], time.monotonic() + 0.3, 0, counters, None
+        )
+    finally:
+        server.shutdown()
+    return counters
+
+
+def test_a_server_error_counts_as_failed_and_a_client_error_as_refused():
+    broken = _run_clients_against(500)
+    assert broken.failed > 0 and broken.refused == 0 and broken.ok == 0
+    assert broken.statuses == {500: broken.failed}
+    assert broken.errors[0].startswith("HTTP 500: ")
+    refused = _run_clients_against(400)
+    assert refused.refused > 0 and refused.failed == 0
+    assert refused.statuses == {400: refused.refused}
+
+
+_LAUNCHER = """
+import signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+def stop(*_):
+    if sys.argv[2] == "reap":
+        child.terminate()
+        child.wait()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+time.sleep(60)
+"""
+_STUBBORN_CHILD = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+)
+
+
+def _launch(mode: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _LAUNCHER,
+            _STUBBORN_CHILD if mode == "leave" else "import time; time.sleep(60)",
+            mode,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 10
+    while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
+
+
+def test_stopping_the_server_names_the_processes_it_left_behind(monkeypatch):
+    monkeypatch.setattr(soak, "EXIT_GRACE_S", 1.0)
+    assert soak.stop_server(_launch("reap")) == []
+    left = soak.stop_server(_launch("leave"))
+    assert len(left) == 1 and left[0].startswith("python")

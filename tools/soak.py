@@ -5,7 +5,10 @@ one (``--url`` plus ``--launcher-pid``), runs ``--concurrency`` clients that sen
 streaming and non-streaming completions and chats (some cancelled halfway, some invalid),
 and samples the resident memory of every process of the tree. After ``--warmup`` seconds it
 fits a line through the tree's total RSS and reports whether memory grows: a leak shows up
-as a steady slope, while allocator noise does not.
+as a steady slope, while allocator noise does not. It fails on any lost request as well: a
+5xx other than 503, an error event in a stream, a broken connection, or a request still
+open two minutes after the load ends; and, when it started the server, on any process of
+the tree still running 10 s after the launcher has exited on SIGTERM.
 
     python -m tools.soak --duration 600            # the 10-minute soak
     python -m tools.soak --duration 60 --warmup 20 # a quick look
@@ -36,6 +39,8 @@ from dataclasses import dataclass, field
 import psutil
 
 DEFAULT_SERVER_ARGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "1024")
+HANG_AFTER_S = 120.0
+EXIT_GRACE_S = 10.0
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -52,8 +57,9 @@ class Counters:
     ok: int = 0
     refused: int = 0  # 4xx on purpose, or 503 from overload
     cancelled: int = 0
-    failed: int = 0
+    failed: int = 0  # a 5xx other than 503, an error event, a broken connection, a hang
     tokens: int = 0
+    statuses: dict[int, int] = field(default_factory=dict)  # of the responses that were not 200
     errors: list[str] = field(default_factory=list)
 
     def add(self, outcome: str, tokens: int = 0, error: str | None = None) -> None:
@@ -62,6 +68,16 @@ class Counters:
             self.tokens += tokens
             if error and len(self.errors) < 20:
                 self.errors.append(error)
+
+    def add_status(self, status: int, body: bytes) -> None:
+        """A response that was not 200: refused when the server meant it (4xx, or 503 while
+        overloaded), failed when the server broke (any other 5xx)."""
+        with self.lock:
+            self.statuses[status] = self.statuses.get(status, 0) + 1
+        if status >= 500 and status != 503:
+            self.add("failed", error=f"HTTP {status}: {body[:200].decode(errors='replace')}")
+        else:
+            self.add("refused")
 
 
 WEATHER_TOOL = {
@@ -172,8 +188,7 @@ def client_loop(
             conn.request("POST", path, json.dumps(body), headers)
             response = conn.getresponse()
             if response.status != 200:
-                response.read()
-                counters.add("refused")
+                counters.add_status(response.status, response.read())
                 if response.status == 503:
                     time.sleep(1.0)
                 continue
@@ -287,6 +302,30 @@ def start_server(args: argparse.Namespace, log_path: str) -> tuple[subprocess.Po
     raise SystemExit(f"the server did not become ready; see {log_path}")
 
 
+def stop_server(proc: subprocess.Popen) -> list[str]:
+    """SIGTERM to the launcher, as a user's Ctrl-C or a service manager sends it; the tree's
+    processes that still run ``EXIT_GRACE_S`` after the launcher has gone."""
+    try:
+        tree = tree_processes(proc.pid)[1:]
+    except psutil.Error:
+        tree = []
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    _, alive = psutil.wait_procs(tree, timeout=EXIT_GRACE_S)
+    left = []
+    for child in alive:
+        try:
+            left.append(f"{child.name()}[{child.pid}]")
+            child.kill()
+        except psutil.Error:
+            continue
+    return left
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
@@ -341,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     for thread in clients:
         thread.start()
 
+    orphans: list[str] = []
     samples: list[tuple[float, int]] = []
     per_process_first: dict[str, int] = {}
     per_process_last: dict[str, int] = {}
@@ -361,15 +401,16 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             time.sleep(args.interval)
+        # A request still open this long after the deadline is hung: the mix's longest takes
+        # seconds, and a client starts no new one past the deadline.
+        join_deadline = time.monotonic() + HANG_AFTER_S
         for thread in clients:
-            thread.join(timeout=60)
+            thread.join(timeout=max(0.0, join_deadline - time.monotonic()))
+        hung = sum(thread.is_alive() for thread in clients)
+        for _ in range(hung):
+            counters.add("failed", error=f"a request still open {HANG_AFTER_S:.0f} s past the end")
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        orphans = stop_server(proc) if proc is not None else []
 
     judged = [(t, size / 2**20) for t, size in samples if t >= args.warmup]
     slope = slope_per_minute(judged)
@@ -387,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         "requests_cancelled": counters.cancelled,
         "requests_failed": counters.failed,
         "completion_tokens": counters.tokens,
+        "statuses_not_200": {str(k): v for k, v in sorted(counters.statuses.items())},
+        "processes_left_after_sigterm": orphans,
         "rss_after_warmup_mib": round(judged[0][1], 1) if judged else None,
         "rss_end_mib": round(judged[-1][1], 1) if judged else None,
         "growth_mib": round(growth, 1),
@@ -400,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"verdict": verdict, "samples": samples}, f)
     if counters.failed:
         print("FAIL: some requests failed", file=sys.stderr)
+        return 1
+    if orphans:
+        print(f"FAIL: {', '.join(orphans)} still ran after the launcher exited", file=sys.stderr)
         return 1
     if grows:
         print("FAIL: resident memory grows after warm-up", file=sys.stderr)
