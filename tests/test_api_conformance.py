@@ -18,7 +18,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.server_util import Server
-from tools.soak import WEATHER_TOOL
+from tools.soak_mix import WEATHER_TOOL
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psutil
 
-from tools import soak
+from tools import soak, soak_mix
 
 
 class _Completions(BaseHTTPRequestHandler):
@@ -57,7 +57,7 @@ def test_the_fill_sends_no_empty_prompt_and_reaches_its_total(capsys):
 
 def test_the_mix_takes_every_sampling_path_and_some_invalid_requests():
     rng = random.Random(0)
-    bodies = [soak._request_body(rng)[1] for _ in range(2000)]
+    bodies = [soak_mix.request_body(rng)[1] for _ in range(2000)]
     invalid = [b for b in bodies if b.get("max_tokens") == -1]
     valid = [b for b in bodies if b.get("max_tokens") != -1]
     assert 40 < len(invalid) < 160
@@ -67,7 +67,7 @@ def test_the_mix_takes_every_sampling_path_and_some_invalid_requests():
     seeded = [b for b in valid if "seed" in b]
     edited = [b for b in valid if "logit_bias" in b and "min_tokens" in b]
     tools = [b for b in valid if "tools" in b]
-    constrained = [b for b in valid if set(soak._CONSTRAINT_FIELDS) & set(b)]
+    constrained = [b for b in valid if set(soak_mix.CONSTRAINT_FIELDS) & set(b)]
     forced = [b for b in valid if "tool_choice" in b]
     for share in (defaults, candidates, penalised, seeded, edited, tools, constrained):
         assert len(share) > 40
@@ -94,14 +94,14 @@ class _Answers(BaseHTTPRequestHandler):
         pass
 
 
-def _run_clients_against(status: int) -> soak.Counters:
+def _run_clients_against(status: int) -> soak_mix.Counters:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
     _Answers.status = status
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    counters = soak.Counters()
+    counters = soak_mix.Counters()
     try:
-        soak.client_loop(
+        soak_mix.client_loop(
             "127.0.0.1", server.server_address[1], time.monotonic() + 0.3, 0, counters, None
         )
     finally:
@@ -160,3 +160,54 @@ def test_stopping_the_server_names_the_processes_it_left_behind(monkeypatch):
     assert soak.stop_server(_launch("reap")) == []
     left = soak.stop_server(_launch("leave"))
     assert len(left) == 1 and left[0].startswith("python")
+
+
+_METRICS = """# HELP pegainfer:num_requests_running Requests running on the engine.
+# TYPE pegainfer:num_requests_running gauge
+pegainfer:num_requests_running{model_name="m"} %d
+pegainfer:num_requests_waiting{model_name="m"} 0
+pegainfer:num_requests_in_flight{model_name="m"} 0
+pegainfer:num_preemptions_total{model_name="m"} 7
+pegainfer:request_success_total{model_name="m",finished_reason="length"} 40
+pegainfer:request_success_total{model_name="m",finished_reason="stop"} 2
+pegainfer:time_to_first_token_seconds_bucket{model_name="m",le="0.1"} 3
+pegainfer:time_to_first_token_seconds_count{model_name="m"} 3
+"""
+
+
+class _Metrics(BaseHTTPRequestHandler):
+    """/metrics whose running gauge counts down to 0 over ``running`` reads."""
+
+    running = 0
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        data = (_METRICS % max(_Metrics.running, 0)).encode()
+        _Metrics.running -= 1
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:  # noqa: ANN002 - silence the per-request lines
+        pass
+
+
+def test_the_engine_counts_once_every_client_is_done():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_address[1]
+    try:
+        _Metrics.running = 2  # two reads still show a request running, the third none
+        samples = soak.wait_for_idle_engine("127.0.0.1", port, None, timeout=10)
+        assert _Metrics.running == -1
+        assert samples["num_requests_running"] == 0
+        assert samples["num_preemptions_total"] == 7
+        assert samples["request_success_total[length]"] == 40
+        assert samples["request_success_total[stop]"] == 2
+        assert not any("bucket" in name or "_count" in name for name in samples)
+        _Metrics.running = 100  # never idle: the samples as they stand at the timeout
+        stuck = soak.wait_for_idle_engine("127.0.0.1", port, None, timeout=0.5)
+        assert stuck["num_requests_running"] > 0
+    finally:
+        server.shutdown()

@@ -17,7 +17,7 @@ from frontend_proc.chat_template import ChatTemplate
 from frontend_proc.preprocess import Preprocessor, handle
 from frontend_proc.tool_calls import ToolCallParser, finish_reason, split_tool_calls
 from pegainfer.protocol import RequestRejected
-from tools.soak import WEATHER_TOOL
+from tools.soak_mix import WEATHER_TOOL
 
 CALL_PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL_ROME = (

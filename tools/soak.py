@@ -6,9 +6,10 @@ streaming and non-streaming completions and chats (some cancelled halfway, some 
 and samples the resident memory of every process of the tree. After ``--warmup`` seconds it
 fits a line through the tree's total RSS and reports whether memory grows: a leak shows up
 as a steady slope, while allocator noise does not. It fails on any lost request as well: a
-5xx other than 503, an error event in a stream, a broken connection, or a request still
-open two minutes after the load ends; and, when it started the server, on any process of
-the tree still running 10 s after the launcher has exited on SIGTERM.
+5xx other than 503, an error event in a stream, a broken connection, a request still open
+two minutes after the load ends, or one the engine still holds (/metrics: running, waiting
+or awaited by the frontend) once every client is done; and, when it started the server, on
+any process of the tree still running 10 s after the launcher has exited on SIGTERM.
 
     python -m tools.soak --duration 600            # the 10-minute soak
     python -m tools.soak --duration 60 --warmup 20 # a quick look
@@ -34,187 +35,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 
 import psutil
 
+from tools.soak_mix import Counters, client_loop
+
 DEFAULT_SERVER_ARGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "1024")
 HANG_AFTER_S = 120.0
+# The gauges that count requests inside the engine; all are 0 once every client is done.
+ENGINE_HOLDS = ("num_requests_running", "num_requests_waiting", "num_requests_in_flight")
+# The scheduler's gauges reach /metrics a few times a second.
+IDLE_WAIT_S = 30.0
 EXIT_GRACE_S = 10.0
-PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "List three prime numbers:",
-    "Explain recursion in one sentence.",
-    "你好，请介绍一下你自己。",
-    "Emoji story: 🐱🚀",
-]
-
-
-@dataclass
-class Counters:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    ok: int = 0
-    refused: int = 0  # 4xx on purpose, or 503 from overload
-    cancelled: int = 0
-    failed: int = 0  # a 5xx other than 503, an error event, a broken connection, a hang
-    tokens: int = 0
-    statuses: dict[int, int] = field(default_factory=dict)  # of the responses that were not 200
-    errors: list[str] = field(default_factory=list)
-
-    def add(self, outcome: str, tokens: int = 0, error: str | None = None) -> None:
-        with self.lock:
-            setattr(self, outcome, getattr(self, outcome) + 1)
-            self.tokens += tokens
-            if error and len(self.errors) < 20:
-                self.errors.append(error)
-
-    def add_status(self, status: int, body: bytes) -> None:
-        """A response that was not 200: refused when the server meant it (4xx, or 503 while
-        overloaded), failed when the server broke (any other 5xx)."""
-        with self.lock:
-            self.statuses[status] = self.statuses.get(status, 0) + 1
-        if status >= 500 and status != 503:
-            self.add("failed", error=f"HTTP {status}: {body[:200].decode(errors='replace')}")
-        else:
-            self.add("refused")
-
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
-
-
-# Structured output: each kind of constraint, and one that does not compile (a 400 from the
-# scheduler, after the request was accepted).
-NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
-_CONSTRAINT_FIELDS = ("structured_outputs", "guided_regex", "response_format")
-CONSTRAINTS = (
-    {"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
-    {"guided_regex": "[a-z]{2,12}( [a-z]{2,12}){0,3}"},
-    {
-        "response_format": {
-            "type": "json_schema",
-            "json_schema": {
-                "name": "reply",
-                "schema": {
-                    "type": "object",
-                    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
-                    "required": ["ok"],
-                },
-            },
-        }
-    },
-    {"response_format": {"type": "json_object"}},
-    {"structured_outputs": {"grammar": 'start: WORD ("," WORD)*\n%import common.WORD'}},
-    {
-        "response_format": {
-            "type": "structural_tag",
-            "triggers": ["<call="],
-            "structures": [{"begin": "<call=f>", "schema": {"type": "object"}, "end": "</call>"}],
-        }
-    },
-    {"guided_regex": "[0-9"},
-)
-# vLLM's extensions: each keeps per-request state somewhere (the worker's edits, the
-# scheduler's bans, the prefix cache's salted roots).
-EXTENSIONS = (
-    {"allowed_token_ids": list(range(100, 600))},
-    {"bad_words": ["the", "and then", "of the"]},
-    {"cache_salt": "tenant-a"},
-    {"cache_salt": "tenant-b"},
-    {"truncate_prompt_tokens": 4},
-)
-
-
-def _request_body(rng: random.Random) -> tuple[str, dict]:
-    max_tokens = rng.randint(4, 48)
-    if rng.random() < 0.05:  # invalid on purpose: the server must shrug it off
-        return "/v1/completions", {"prompt": "x", "max_tokens": -1}
-    stream = rng.random() < 0.5
-    common = {"max_tokens": max_tokens, "temperature": rng.choice([0, 0.7, 1.0]), "stream": stream}
-    # Each sampling path of the worker: Qwen3's settings (top-k candidates), penalties (a
-    # row of token counts held while the request lives), seeds.
-    # And none at all: the server's defaults (the model's generation_config.json).
-    kind = rng.random()
-    if kind < 0.25:
-        common.update(temperature=0.6, top_p=0.95, top_k=20)
-    elif kind < 0.4:
-        common.update(presence_penalty=rng.choice([0.5, 1.5]), frequency_penalty=0.3)
-    elif kind < 0.5:
-        del common["temperature"]
-    elif kind < 0.55:  # logit edits: a bias, and stop tokens masked until min_tokens
-        common.update(logit_bias={str(rng.randrange(1000)): rng.choice([-100, 5])})
-        common.update(min_tokens=rng.randint(1, max_tokens))
-    if rng.random() < 0.2:
-        common["seed"] = rng.randrange(2**31)
-    if rng.random() < 0.08:
-        common.update(rng.choice(CONSTRAINTS))
-    if rng.random() < 0.1:
-        common.update(rng.choice(EXTENSIONS))
-    if stream and rng.random() < 0.5:
-        common["stream_options"] = {"include_usage": True}
-    if rng.random() < 0.5:
-        return "/v1/completions", {"prompt": rng.choice(PROMPTS), **common}
-    messages = [{"role": "user", "content": rng.choice(PROMPTS)}]
-    if rng.random() < 0.5:
-        # A reasoning model's chat constraint holds after its </think>; without thinking,
-        # from the first token.
-        common["chat_template_kwargs"] = {"enable_thinking": False}
-    if rng.random() < 0.1:  # rendered by templates that take tools, refused by the others
-        common["tools"] = [WEATHER_TOOL]
-        if rng.random() < 0.3 and not any(key in common for key in _CONSTRAINT_FIELDS):
-            common["tool_choice"] = rng.choice(["required", NAMED_WEATHER])
-    return "/v1/chat/completions", {"messages": messages, **common}
-
-
-def client_loop(
-    host: str, port: int, deadline: float, seed: int, counters: Counters, api_key: str | None
-) -> None:
-    rng = random.Random(seed)
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    while time.monotonic() < deadline:
-        path, body = _request_body(rng)
-        cancel_after = rng.randint(1, 5) if body.get("stream") and rng.random() < 0.2 else None
-        conn = http.client.HTTPConnection(host, port, timeout=300)
-        try:
-            conn.request("POST", path, json.dumps(body), headers)
-            response = conn.getresponse()
-            if response.status != 200:
-                counters.add_status(response.status, response.read())
-                if response.status == 503:
-                    time.sleep(1.0)
-                continue
-            if not body.get("stream"):
-                usage = json.loads(response.read()).get("usage") or {}
-                counters.add("ok", usage.get("completion_tokens", 0))
-                continue
-            events = 0
-            for line in response:
-                if not line.startswith(b"data: "):
-                    continue
-                events += 1
-                if cancel_after is not None and events >= cancel_after:
-                    counters.add("cancelled")
-                    break
-                if b'"error"' in line[:20]:
-                    counters.add("failed", error=line[:200].decode(errors="replace"))
-                    break
-                if line.strip() == b"data: [DONE]":
-                    counters.add("ok", max(events - 2, 0))
-                    break
-        except (OSError, http.client.HTTPException) as exc:
-            counters.add("failed", error=repr(exc))
-            time.sleep(0.5)
-        finally:
-            conn.close()
 
 
 def fill_kv_cache(host: str, port: int, total_tokens: int, api_key: str | None) -> None:
@@ -245,6 +77,45 @@ def fill_kv_cache(host: str, port: int, total_tokens: int, api_key: str | None) 
         finally:
             conn.close()
     print(f"filled the KV cache with {sent} prompt tokens", flush=True)
+
+
+def read_metrics(host: str, port: int, api_key: str | None) -> dict[str, float]:
+    """The server's /metrics samples by name, summed over their labels, with the finished
+    requests by reason (``request_success_total[stop]``) and no histogram series."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    try:
+        conn.request("GET", "/metrics", headers=headers)
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        name, _, labels = series.removeprefix("pegainfer:").partition("{")
+        if name.endswith(("_bucket", "_sum", "_count")):
+            continue
+        if name == "request_success_total":
+            reason = labels.split('finished_reason="', 1)[-1].split('"', 1)[0]
+            name = f"{name}[{reason}]"
+        samples[name] = samples.get(name, 0.0) + float(value)
+    return samples
+
+
+def wait_for_idle_engine(
+    host: str, port: int, api_key: str | None, timeout: float
+) -> dict[str, float]:
+    """/metrics once the engine holds no request (running, waiting, or awaited by the
+    frontend), or as it stands after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = read_metrics(host, port, api_key)
+        held = sum(samples.get(gauge, 0.0) for gauge in ENGINE_HOLDS)
+        if held == 0 or time.monotonic() >= deadline:
+            return samples
+        time.sleep(1.0)
 
 
 def tree_processes(launcher_pid: int) -> list[psutil.Process]:
@@ -381,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         thread.start()
 
     orphans: list[str] = []
+    server_after: dict[str, float] = {}
     samples: list[tuple[float, int]] = []
     per_process_first: dict[str, int] = {}
     per_process_last: dict[str, int] = {}
@@ -409,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         hung = sum(thread.is_alive() for thread in clients)
         for _ in range(hung):
             counters.add("failed", error=f"a request still open {HANG_AFTER_S:.0f} s past the end")
+        # Every client is done (or counted hung): a request the engine still holds was lost
+        # inside it, a cancelled stream's say.
+        server_after = wait_for_idle_engine(host, int(port), args.api_key, IDLE_WAIT_S)
     finally:
         orphans = stop_server(proc) if proc is not None else []
 
@@ -430,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "completion_tokens": counters.tokens,
         "statuses_not_200": {str(k): v for k, v in sorted(counters.statuses.items())},
         "processes_left_after_sigterm": orphans,
+        "server_after_load": server_after,
         "rss_after_warmup_mib": round(judged[0][1], 1) if judged else None,
         "rss_end_mib": round(judged[-1][1], 1) if judged else None,
         "growth_mib": round(growth, 1),
@@ -443,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"verdict": verdict, "samples": samples}, f)
     if counters.failed:
         print("FAIL: some requests failed", file=sys.stderr)
+        return 1
+    held = {gauge: server_after.get(gauge, 0.0) for gauge in ENGINE_HOLDS}
+    if any(held.values()):
+        print(f"FAIL: the engine still held requests after the load: {held}", file=sys.stderr)
         return 1
     if orphans:
         print(f"FAIL: {', '.join(orphans)} still ran after the launcher exited", file=sys.stderr)
