@@ -57,6 +57,16 @@ class CompilerBusy(RuntimeError):
 MAX_ABANDONED = 2
 
 
+def _unavailable_reason(exc: Exception) -> str:
+    """Why structured output cannot run here, for the log and each constrained request's 400."""
+    if isinstance(exc, ImportError):
+        return (
+            f"structured output needs the xgrammar package, which this server cannot import "
+            f"({exc}); install it with `pip install 'xgrammar>=0.1.25'` and restart"
+        )
+    return f"structured output is unavailable on this server: {type(exc).__name__}: {exc}"
+
+
 def choice_grammar(choices: list[str]) -> str:
     """The EBNF grammar whose sentences are exactly ``choices``."""
     # JSON string syntax is also EBNF string-literal syntax (the same escapes).
@@ -90,12 +100,18 @@ class GrammarCompiler:
         self._queued: list[CompileJob] = []
         self._abandoned: list[CompileJob] = []
         self._compiler: Any = None  # xgrammar.GrammarCompiler, made on the thread
+        # Why the backend could not be loaded, once it failed: every later constraint is
+        # refused with it at once. A missing or broken package does not mend while the
+        # process runs, and each try would cost a thread's import and a logged traceback.
+        self.unavailable: str | None = None
         self._lock = threading.Lock()
         self.num_abandoned = 0
 
     def submit(self, structured: StructuredOutput) -> CompileJob:
         """The compile of ``structured``; its future raises ``GrammarError`` if it cannot
         be compiled. ``CompilerBusy`` while too many overrun compiles still run."""
+        if self.unavailable is not None:
+            raise GrammarError(self.unavailable)
         self._abandoned = [job for job in self._abandoned if not job.future.done()]
         if len(self._abandoned) >= MAX_ABANDONED:
             raise CompilerBusy(
@@ -164,9 +180,17 @@ class GrammarCompiler:
         raise GrammarError(f"unknown structured output kind {kind!r}")
 
     def backend(self) -> Any:
+        """xgrammar's compiler over the model's vocabulary, loaded by the first call; a
+        ``GrammarError`` naming the cause if it cannot be loaded, then and ever after."""
         with self._lock:
-            if self._compiler is None:
-                self._compiler = self._make_compiler()
+            if self._compiler is None and self.unavailable is None:
+                try:
+                    self._compiler = self._make_compiler()
+                except Exception as exc:
+                    self.unavailable = _unavailable_reason(exc)
+                    logger.error("%s; every constrained request gets a 400", self.unavailable)
+            if self.unavailable is not None:
+                raise GrammarError(self.unavailable)
             return self._compiler
 
     def _make_compiler(self) -> Any:
@@ -176,6 +200,7 @@ class GrammarCompiler:
         started = time.monotonic()
         collecting = gc.isenabled()
         gc.disable()
+        loaded = False
         try:
             import xgrammar
 
@@ -187,10 +212,14 @@ class GrammarCompiler:
             # The vocabulary's temporary copies (the tokenizer, its JSON, the token list)
             # would stay resident as freed heap: about 150 MB of the scheduler for Qwen3's.
             release_free_heap()
+            loaded = True
         finally:
             if collecting:
                 # As the process froze its start-up heap (not, say, a test's interpreter).
-                if gc.get_freeze_count() and os.environ.get(GC_FREEZE_ENV, "1") != "0":
+                # Only after a load: a freeze makes whatever cyclic garbage the process
+                # holds at that moment immortal, so one on every failed try leaked it.
+                frozen = gc.get_freeze_count() and os.environ.get(GC_FREEZE_ENV, "1") != "0"
+                if loaded and frozen:
                     gc.freeze()
                 gc.enable()
         logger.info(

@@ -1,0 +1,79 @@
+"""Structured output where xgrammar cannot be loaded: the first constrained request learns
+why, every later one is refused at once with the same 400, nothing retries the load, and
+no failed load freezes the process's garbage into the permanent generation."""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+
+from pegainfer.config import read_model_info
+from pegainfer.protocol import StructuredOutput
+from scheduler_proc.grammar import GrammarCompiler, GrammarError
+from scheduler_proc.scheduler import Scheduler
+from tests.scheduler_sim import make_config
+from tests.test_structured_output import request, settle
+
+
+@pytest.fixture
+def no_xgrammar(monkeypatch):
+    """``import xgrammar`` fails, as where the package is not installed; counts the loads."""
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    loads = []
+    make_compiler = GrammarCompiler._make_compiler
+
+    def counted(self):
+        loads.append(1)
+        return make_compiler(self)
+
+    monkeypatch.setattr(GrammarCompiler, "_make_compiler", counted)
+    return loads
+
+
+def test_every_constrained_request_gets_the_same_400_and_the_load_is_tried_once(
+    tiny_qwen3_dir, no_xgrammar
+):
+    model = read_model_info(tiny_qwen3_dir)
+    scheduler = Scheduler(
+        make_config(model_path=tiny_qwen3_dir, model=model, max_model_len=256, num_kv_blocks=64)
+    )
+    # The first one is accepted and waits for its compile, which finds no xgrammar.
+    assert scheduler.add_request(request("first", StructuredOutput("regex", "[ab]+"))) is None
+    (first,) = settle(scheduler)
+    assert first.request_id == "first" and first.status == 400
+    assert "xgrammar" in first.message and "pip install" in first.message
+    # Later ones are refused on arrival, with no compile started.
+    for n, structured in enumerate(
+        (StructuredOutput("choice", '["x", "y"]'), StructuredOutput("json_object", "{}"))
+    ):
+        rejection = scheduler.add_request(request(f"later-{n}", structured))
+        assert rejection is not None and rejection.status == 400
+        assert rejection.message == first.message and rejection.param == "response_format"
+        assert scheduler.num_compiling == 0
+    assert len(no_xgrammar) == 1
+    # An unconstrained request is served as ever.
+    assert scheduler.add_request(request("plain", None)) is None
+    assert scheduler.num_waiting == 1
+
+
+def test_a_failed_load_freezes_nothing(no_xgrammar):
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    gc.freeze()  # as the scheduler process freezes its start-up heap
+    try:
+        frozen = gc.get_freeze_count()
+        compiler = GrammarCompiler("/nonexistent", 1000, [2])
+        Cycle()  # garbage a freeze at this point would keep for good
+        job = compiler.submit(StructuredOutput("regex", "[a-z]+"))
+        with pytest.raises(GrammarError, match="xgrammar"):
+            job.future.result(timeout=30)
+        with pytest.raises(GrammarError, match="xgrammar"):
+            compiler.submit(StructuredOutput("regex", "[0-9]+"))
+        assert gc.get_freeze_count() == frozen
+        compiler.shutdown()
+    finally:
+        gc.unfreeze()
