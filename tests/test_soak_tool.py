@@ -211,3 +211,14 @@ def test_the_engine_counts_once_every_client_is_done():
         assert stuck["num_requests_running"] > 0
     finally:
         server.shutdown()
+
+
+def test_processes_are_named_by_title_or_by_module():
+    assert soak.process_title(["pegainfer::worker-0"], "python3") == "pegainfer::worker-0"
+    run_dir = ["--run-dir", "/tmp/r"]
+    python = "/opt/venv/bin/python3"
+    assert soak.process_title([python, "-m", "scheduler_proc", *run_dir], "python3") == (
+        "-m scheduler_proc"
+    )
+    assert soak.process_title([python, "-c", "pass"], "python3") == python
+    assert soak.process_title([], "python3") == "python3"

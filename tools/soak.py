@@ -128,11 +128,23 @@ def sample_rss(launcher_pid: int) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for proc in tree_processes(launcher_pid):
         try:
-            title = " ".join(proc.cmdline()).split()[0] if proc.cmdline() else proc.name()
-            sizes[f"{title}[{proc.pid}]"] = proc.memory_info().rss
+            sizes[f"{process_title(proc.cmdline(), proc.name())}[{proc.pid}]"] = (
+                proc.memory_info().rss
+            )
         except psutil.Error:
             continue
     return sizes
+
+
+def process_title(cmdline: list[str], name: str) -> str:
+    """The title a pegainfer process gives itself (``pegainfer::scheduler``); where titles
+    cannot be set (no setproctitle), the module it runs (``-m scheduler_proc``)."""
+    if not cmdline:
+        return name
+    title = " ".join(cmdline).split()[0]
+    if title.startswith("pegainfer::") or "-m" not in cmdline[:-1]:
+        return title
+    return "-m " + cmdline[cmdline.index("-m") + 1]
 
 
 def slope_per_minute(points: list[tuple[float, float]]) -> float:
