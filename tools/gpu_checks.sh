@@ -6,7 +6,8 @@
 #   bash tools/gpu_checks.sh tests    # GPU golden tests, Triton kernels, CUDA graphs, overlap
 #   bash tools/gpu_checks.sh bench    # latency and throughput with step profiles, HF baseline,
 #                                     # kernels, linear layers, prefix TTFT
-#   bash tools/gpu_checks.sh serve    # startup time and memory, online serving load
+#   bash tools/gpu_checks.sh serve    # startup time and memory, online serving load, a
+#                                     # five-minute soak under KV pressure
 #   bash tools/gpu_checks.sh figures  # the figures of tools/README.md's top table, sized for
 #                                     # one device call: batch-1 latency (with and without
 #                                     # decode attention) and its step profile, the served
@@ -86,6 +87,11 @@ serve)
   step bench_serving python3 -m tools.bench_serving --launch --model-path "$ckpt" \
     --request-rate 32 --num-prompts 200 --input-len 1024 --input-len-range 0.5 --output-len 128 \
     --out "$out/serving"
+  # Five minutes of the soak's mix at 48 clients on a 256 MiB KV cache (about 1,800 tokens of
+  # this shape: preemptions); fails on a lost or held request, memory growth or a process left.
+  step soak python3 -m tools.soak --model-path "$ckpt" --duration 330 --warmup 90 \
+    --interval 15 --concurrency 48 --fill-kv-tokens 4000 --json "$out/soak.json" \
+    -- --kv-cache-memory 256MiB --max-model-len 1024
   ;;
 figures)
   need_checkpoint
