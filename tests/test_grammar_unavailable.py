@@ -67,13 +67,15 @@ def test_a_failed_load_freezes_nothing(no_xgrammar):
     try:
         frozen = gc.get_freeze_count()
         compiler = GrammarCompiler("/nonexistent", 1000, [2])
-        Cycle()  # garbage a freeze at this point would keep for good
-        job = compiler.submit(StructuredOutput("regex", "[a-z]+"))
-        with pytest.raises(GrammarError, match="xgrammar"):
-            job.future.result(timeout=30)
-        with pytest.raises(GrammarError, match="xgrammar"):
-            compiler.submit(StructuredOutput("regex", "[0-9]+"))
-        assert gc.get_freeze_count() == frozen
+        for attempt in range(20):
+            for _ in range(50):
+                Cycle()  # garbage that a freeze at this point would keep for good
+            with pytest.raises(GrammarError, match="xgrammar"):
+                compiler.submit(StructuredOutput("regex", f"[a-z]{{{attempt + 1}}}")).future.result(
+                    timeout=30
+                )
+        # Frozen objects that die leave the count: it may fall, never grow.
+        assert gc.get_freeze_count() <= frozen
         compiler.shutdown()
     finally:
         gc.unfreeze()
