@@ -1,5 +1,6 @@
-"""What the benchmark tools' CPU smoke tests share: a micro checkpoint, a CPU server's
-arguments, running a tool as its one command, and the checks on what every tool writes."""
+"""What the benchmark tools' CPU smoke tests share, beside ``tests/conftest.py``'s
+``micro_dir``: a CPU server's arguments, running a tool as its one command, and the checks
+on what every tool writes."""
 
 from __future__ import annotations
 
@@ -8,22 +9,12 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CPU_SERVER = ["--device", "cpu", "--max-model-len", "128", "--kv-cache-memory", "16MiB"]
 # One OMP thread per model: on a small, busy machine two threads per process thrash, and a
 # micro model's step goes from a few ms to tens.
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-
-
-def make_micro_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The micro Qwen3 (a few layers of a few dims) in float32, random weights."""
-    from tools.make_tiny_checkpoint import make_checkpoint
-
-    out = tmp_path_factory.mktemp("micro-qwen3")
-    return make_checkpoint(str(out), arch="qwen3", preset="micro", seed=0, dtype="float32")
 
 
 def _run(module: str, *args: str, env: dict[str, str] | None = None):

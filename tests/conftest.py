@@ -69,4 +69,14 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_checkpoint(str(out), arch="qwen3", preset="tiny", seed=0, dtype="float32")
 
 
+@pytest.fixture(scope="session")
+def micro_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The micro Qwen3 (a few layers of a few dims, float32, random weights): the benchmark
+    tools' smoke runs."""
+    from tools.make_tiny_checkpoint import make_checkpoint
+
+    out = tmp_path_factory.mktemp("micro-qwen3")
+    return make_checkpoint(str(out), arch="qwen3", preset="micro", seed=0, dtype="float32")
+
+
 # --- end of model fixtures ------------------------------------------------------------------

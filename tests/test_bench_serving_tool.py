@@ -16,18 +16,12 @@ from tests.bench_tool_util import (  # noqa: E402
     CPU_ENV,
     CPU_SERVER,
     assert_roofline_table,
-    make_micro_checkpoint,
     outputs,
     run_tool,
 )
 from tools.bench_launch import ServerProcess  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def micro_dir(tmp_path_factory) -> str:
-    return make_micro_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -18,18 +18,12 @@ pytest.importorskip("matplotlib")
 from tests.bench_tool_util import (  # noqa: E402
     CPU_SERVER,
     assert_roofline_table,
-    make_micro_checkpoint,
     outputs,
     refused,
     run_tool,
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def micro_dir(tmp_path_factory) -> str:
-    return make_micro_checkpoint(tmp_path_factory)
 
 
 def test_bench_overhead(micro_dir, tmp_path):
