@@ -85,6 +85,15 @@ def gemv_tile_overrides(spec: str) -> dict[tuple[int, int], LinearConfig]:
     return overrides
 
 
+def fitting_block_n(n: int, block_n: int) -> int:
+    """``block_n``, doubled until ``n`` features make no more tiles than a GEMV's grid takes
+    (``MAX_FEATURE_TILES``). Qwen3's 151,936-entry LM head in tiles of two makes 75,968:
+    every GEMV tile goes through here, whatever its K."""
+    while cdiv(n, block_n) > MAX_FEATURE_TILES:
+        block_n *= 2
+    return block_n
+
+
 def gemv_config(n: int, k: int) -> LinearConfig:
     """The one-row GEMV tile of an ``N x K`` weight."""
     override = gemv_tile_overrides(os.environ.get("PEGAINFER_LINEAR_TILES", "")).get((n, k))
@@ -99,9 +108,7 @@ def gemv_config(n: int, k: int) -> LinearConfig:
     # 2.41 / 2.68 ms at context 128 / 4k against 2.45 / 2.73 with down at (1, 1024, 2 warps),
     # 2,560 programs; 2.56 / 2.84 with o so too; 3.01 / 3.29 with down at (4, 1024, 4 warps);
     # 2.42 / 2.71 with o so (H200, bench_latency, two alternated rounds).
-    block_n = 2 if block_k == 1024 or n <= 8192 else 4
-    while cdiv(n, block_n) > MAX_FEATURE_TILES:  # vocabularies past 262,140 rows
-        block_n *= 2
+    block_n = fitting_block_n(n, 2 if block_k == 1024 or n <= 8192 else 4)
     stages = int(os.environ.get("PEGAINFER_GEMV_STAGES", GEMV_STAGES))
     return LinearConfig("gemv", block_n, block_k, 4 if block_k >= 1024 else 2, num_stages=stages)
 
@@ -141,11 +148,10 @@ def rows_gemv_config(num_rows: int, n: int, k: int) -> LinearConfig | None:
     block_m = 1 << (num_rows - 1).bit_length()
     stages = int(os.environ.get("PEGAINFER_ROWS_GEMV_STAGES", ROWS_GEMV_STAGES))
     if k >= 4096:
-        return LinearConfig("gemv", 2, 1024, 4, block_m=block_m, num_stages=stages)
-    block_n = 4
-    while cdiv(n, block_n) > MAX_FEATURE_TILES:
-        block_n *= 2
-    return LinearConfig("gemv", block_n, 512, 2, block_m=block_m, num_stages=stages)
+        return LinearConfig(
+            "gemv", fitting_block_n(n, 2), 1024, 4, block_m=block_m, num_stages=stages
+        )
+    return LinearConfig("gemv", fitting_block_n(n, 4), 512, 2, block_m=block_m, num_stages=stages)
 
 
 def skinny_rule(num_rows: int, n: int, k: int, silu_mul: bool = False) -> LinearConfig:

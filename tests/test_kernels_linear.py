@@ -172,13 +172,51 @@ def test_one_row_tiles_can_be_overridden_from_the_environment(monkeypatch):
         gemv_tile_overrides("48,64=8,32")
 
 
-def test_one_row_tiles_stay_within_the_grid_limit():
+# Qwen3 0.6B, 1.7B, 4B, 8B, 14B, 32B: hidden, intermediate, query heads (head_dim 128, 8 KV
+# heads, a 151,936-entry vocabulary).
+QWEN3_SHAPES = [
+    (1024, 3072, 16),
+    (2048, 6144, 16),
+    (2560, 9728, 32),
+    (4096, 12288, 32),
+    (5120, 17408, 40),
+    (5120, 25600, 64),
+]
+
+
+@pytest.mark.parametrize("hidden,intermediate,heads", QWEN3_SHAPES)
+def test_every_projection_of_qwen3_fits_the_grid_limit(hidden, intermediate, heads, monkeypatch):
+    """The GEMV's features run along a grid dimension of at most 65,535 programs: the LM
+    head at two rows once made 75,968 at Qwen3-8B's hidden size, and the worker failed at
+    start-up."""
+    from kernels.backend import cdiv
+    from kernels.gemv import MAX_FEATURE_TILES
+
+    monkeypatch.delenv("PEGAINFER_ROWS_GEMV", raising=False)
+    monkeypatch.delenv("PEGAINFER_LINEAR_TILES", raising=False)
+    projections = {
+        "qkv": ((heads + 16) * 128, hidden),
+        "o": (hidden, heads * 128),
+        "gate_up": (2 * intermediate, hidden),
+        "down": (hidden, intermediate),
+        "lm_head": (151_936, hidden),
+    }
+    for name, (n, k) in projections.items():
+        for rows in range(1, MAX_TRITON_ROWS + 1):
+            config = pick_config(rows, n, k)
+            if config is not None and config.kind == "gemv":
+                assert cdiv(n, config.block_n) <= MAX_FEATURE_TILES, (name, rows, config)
+
+
+def test_gemv_tiles_stay_within_the_grid_limit():
     from kernels.backend import cdiv
     from kernels.gemv import MAX_FEATURE_TILES
 
     for vocab in (151_936, 262_144, 1_000_000):
-        config = pick_config(1, vocab, 2560)
-        assert cdiv(vocab, config.block_n) <= MAX_FEATURE_TILES, (vocab, config)
+        for k in (1024, 2560, 4096, 8192):
+            for rows in (1, 2):
+                config = pick_config(rows, vocab, k)
+                assert cdiv(vocab, config.block_n) <= MAX_FEATURE_TILES, (vocab, k, rows, config)
     x, _, _ = _inputs(1, 8, 16, torch.bfloat16, 3, False)
     weight = torch.zeros(MAX_FEATURE_TILES + 1, 16, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="grid's second dimension"):
