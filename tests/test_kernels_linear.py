@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_test_util import CUDA, DEVICE, check, gen, poisoned, randn, requires_triton
+from triton_test_util import (
+    CUDA,
+    DEVICE,
+    check,
+    gen,
+    gpu_only,
+    poisoned,
+    randn,
+    requires_triton,
+)
 
 from kernels.backend import weight_eviction
 from kernels.linear import (
@@ -206,6 +215,17 @@ def test_every_projection_of_qwen3_fits_the_grid_limit(hidden, intermediate, hea
             config = pick_config(rows, n, k)
             if config is not None and config.kind == "gemv":
                 assert cdiv(n, config.block_n) <= MAX_FEATURE_TILES, (name, rows, config)
+
+
+@gpu_only
+@pytest.mark.parametrize("hidden", [4096, 5120])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_qwen3_lm_heads_at_decode_rows(hidden, rows):
+    """Qwen3-8B's and -14B's LM heads (151,936 x 4,096 / 5,120) through the default pick."""
+    x, weight, _ = _inputs(rows, 151_936, hidden, torch.bfloat16, 60 + rows, False)
+    with poisoned():
+        out = linear(x, weight)
+    check(out, linear_ref(x.float(), weight.float()).to(torch.bfloat16), f"LM head {rows} rows")
 
 
 def test_gemv_tiles_stay_within_the_grid_limit():
