@@ -302,7 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     from tools.make_tiny_checkpoint import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="4b", help="a qwen3 shape: 0.6b, 4b, 8b")
+    parser.add_argument(
+        "--preset", default="4b", help="a qwen3 shape: 0.6b, 1.7b, 4b, 8b, 14b, 32b"
+    )
     parser.add_argument("--rows", type=parse_int_list, default=[1, 8, 32])
     parser.add_argument("--context", type=int, default=1024, help="tokens of each sequence")
     parser.add_argument("--arch", type=int, default=90, help="compute capability, as 90")

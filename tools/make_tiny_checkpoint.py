@@ -2,7 +2,7 @@
 and benchmarks.
 
     python -m tools.make_tiny_checkpoint --arch qwen3 --out DIR
-        [--preset tiny|micro|0.6b|4b|8b] [--seed N] [--dtype bfloat16|float32]
+        [--preset tiny|micro|0.6b|1.7b|4b|8b|14b|32b] [--seed N] [--dtype bfloat16|float32]
         [--device auto|cpu|cuda]
 
 The tiny presets go through a transformers model and ``save_pretrained``, so their layout is
@@ -85,6 +85,15 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             "num_key_value_heads": 8,
             "tie_word_embeddings": True,
         },
+        "1.7b": {
+            **_QWEN3_BASE,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "tie_word_embeddings": True,
+        },
         "4b": {
             **_QWEN3_BASE,
             "hidden_size": 2560,
@@ -100,6 +109,25 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             "intermediate_size": 12288,
             "num_hidden_layers": 36,
             "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "tie_word_embeddings": False,
+        },
+        # 40 query heads over 8 KV heads: groups of five.
+        "14b": {
+            **_QWEN3_BASE,
+            "hidden_size": 5120,
+            "intermediate_size": 17408,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 40,
+            "num_key_value_heads": 8,
+            "tie_word_embeddings": False,
+        },
+        "32b": {
+            **_QWEN3_BASE,
+            "hidden_size": 5120,
+            "intermediate_size": 25600,
+            "num_hidden_layers": 64,
+            "num_attention_heads": 64,
             "num_key_value_heads": 8,
             "tie_word_embeddings": False,
         },
@@ -392,7 +420,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", choices=sorted(PRESETS), default="qwen3")
     parser.add_argument("--out", required=True, help="directory to write the checkpoint into")
     parser.add_argument(
-        "--preset", default="tiny", help="tiny, micro, or a real shape: 0.6b, 4b, 8b"
+        "--preset",
+        default="tiny",
+        help="tiny, micro, or a real shape: 0.6b, 1.7b, 4b, 8b, 14b, 32b",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
