@@ -13,6 +13,8 @@
 #                                     # decode attention) and its step profile, the served
 #                                     # sweep with HF's baseline, batch 8's step profile,
 #                                     # start-up and memory, host time per step (this host's CPU)
+#   bash tools/gpu_checks.sh shapes   # Qwen3-0.6B, 8B and 14B shapes (SHAPES="0.6b 8b" picks):
+#                                     # batch-1 latency and a served sweep of 1-32 rows each
 #   bash tools/gpu_checks.sh ab VAR   # batch-1 latency with VAR=0 against the default,
 #                                     # alternated (e.g. PEGAINFER_FUSED_GEMV, PEGAINFER_PDL)
 #
@@ -109,6 +111,21 @@ figures)
     --name startup --runs 3
   step host_overhead python3 -m tools.bench_overhead --skip-pipeline --out "$out/figures" \
     --name host_overhead
+  ;;
+shapes)
+  # Other Qwen3 sizes through the same paths, served at 1-32 rows: the kernels' tiles and
+  # grids follow the hidden size, the heads and the vocabulary. Each checkpoint (up to 29 GB)
+  # is written, run and removed in turn, so that they need not fit the disk together.
+  for preset in ${SHAPES:-0.6b 8b 14b}; do
+    dir="${TMPDIR:-/tmp}/qwen3-$preset-random"
+    step "make_checkpoint_$preset" python3 -m tools.make_tiny_checkpoint --arch qwen3 \
+      --preset "$preset" --out "$dir"
+    step "latency_$preset" python3 -m tools.bench_latency --model-path "$dir" \
+      --out "$out/shapes" --name "latency_$preset" --contexts 128,4096 --steps 32
+    step "served_$preset" python3 -m tools.bench_throughput --model-path "$dir" \
+      --out "$out/shapes" --name "served_$preset" --batches 1,2,8,32 --output-len 64
+    rm -rf "$dir"
+  done
   ;;
 ab)
   var="${2:?ab needs the environment variable to turn off, e.g. PEGAINFER_FUSED_GEMV}"
