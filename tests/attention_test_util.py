@@ -12,7 +12,8 @@ from triton_test_util import DEVICE, nan_cache, randn
 from kernels.attention import store_kv_ref
 from kernels.attention_merge import split_counters
 
-GQA = [(2, 2), (8, 2), (8, 1)]  # group sizes 1, 4, 8
+# Group sizes 1, 4, 5 (Qwen3-14B's 40 query heads over 8: no power of two) and 8.
+GQA = [(2, 2), (8, 2), (10, 2), (8, 1)]
 QWEN3_4B = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 
 

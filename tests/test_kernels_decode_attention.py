@@ -1,5 +1,5 @@
 """Triton paged decode attention (the split-K kernel that merges its splits in the kernel)
-against the reference: shuffled physical blocks, GQA group sizes 1/4/8, block sizes
+against the reference: shuffled physical blocks, GQA group sizes 1/4/5/8, block sizes
 4/16/32, contexts of 1 and not multiples of the block size, padding rows of a captured
 batch, sixteen splits merged twice over; on CUDA also Qwen3-4B shapes and CUDA-graph replay.
 The split policy: test_decode_splits.py.

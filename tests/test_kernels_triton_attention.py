@@ -307,33 +307,6 @@ def test_prefill_attention_qwen3_4b_shapes(cases, split_seqs):
     check(out, expected, "prefill")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_query_groups_of_five(dtype):
-    """Qwen3-14B groups 40 query heads over 8 KV heads: a group that is no power of two pads
-    to the tile's rows in both kernels, and the padding rows must stay out of the output."""
-    from kernels.decode_attention import paged_decode_attention_triton
-
-    scale = 32**-0.5
-    q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(
-        [(ctx, 1) for ctx in (1, 5, 50, 33)], 10, 2, 32, 4, dtype, SEED + 50
-    )
-    expected = paged_attention_ref(q, k_cache, v_cache, tables, ctx_lens, qsl, scale, 1, 50)
-    for max_splits in (1, 4):
-        with poisoned():
-            out = paged_decode_attention_triton(
-                q, k_cache, v_cache, tables, ctx_lens, scale, 50,
-                max_splits=max_splits, min_split_tokens=16, block_n=16,
-            )  # fmt: skip
-        check(out, expected, f"decode, group of 5, {max_splits} splits")
-    q, k_cache, v_cache, tables, ctx_lens, qsl = build_paged(
-        [(40, 40), (70, 23), (9, 1)], 10, 2, 32, 4, dtype, SEED + 51
-    )
-    expected = paged_attention_ref(q, k_cache, v_cache, tables, ctx_lens, qsl, scale, 40, 70)
-    with poisoned():
-        out = paged_attention_triton(q, k_cache, v_cache, tables, ctx_lens, qsl, scale, 40, 70)
-    check(out, expected, "prefill, group of 5")
-
-
 def test_block_table_width_compiles_no_new_variant():
     """An eager batch's block tables are as wide as its longest context; a specialized row
     stride compiled a new kernel variant mid-serving whenever that width turned a multiple
