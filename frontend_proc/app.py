@@ -141,7 +141,7 @@ def create_app(
     overrides that)."""
     max_model_len = config.max_model_len
     if max_model_len <= 0 and config.model is not None:
-        max_model_len = config.model.max_position_embeddings
+        max_model_len = config.model.longest_context()
     state = state or ServerState.from_config(config)
     app = web.Application(
         middlewares=[retry_after, error_middleware, make_gate(state, engine)],

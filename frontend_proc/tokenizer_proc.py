@@ -37,7 +37,7 @@ def load_preprocessor(config: EngineConfig) -> Preprocessor:
     )
     max_model_len = config.max_model_len
     if max_model_len <= 0 and config.model is not None:
-        max_model_len = config.model.max_position_embeddings
+        max_model_len = config.model.longest_context()
     return Preprocessor(tokenizer, template, max_model_len, vocab_size)
 
 

@@ -8,6 +8,7 @@ import sys
 
 from frontend_proc.sampling_defaults import parse_override
 from pegainfer.config import EngineConfig
+from pegainfer.hf_config import parse_hf_overrides
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -57,7 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-model-len",
         type=int,
         default=0,
-        help="context length in tokens, prompt plus output (0: the model's own)",
+        help="context length in tokens, prompt plus output (0: what the model's positions "
+        "cover, its rope scaling included)",
+    )
+    model.add_argument(
+        "--hf-overrides",
+        default="",
+        help="JSON object of keys laid over the model's config.json, e.g. "
+        "'{\"max_position_embeddings\": 65536}'",
+    )
+    model.add_argument(
+        "--rope-scaling",
+        default="",
+        help="JSON object replacing the model's rope scaling, e.g. Qwen3 at 128k tokens: "
+        '\'{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}\'',
     )
 
     server = parser.add_argument_group("server")
@@ -186,6 +200,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise SystemExit("pegainfer: --grammar-compile-timeout must be at least 0")
     try:
         override = parse_override(args.override_generation_config)
+        hf_overrides = parse_hf_overrides(args.hf_overrides, args.rope_scaling)
     except ValueError as exc:
         raise SystemExit(f"pegainfer: {exc}") from None
     return EngineConfig(
@@ -197,6 +212,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        hf_overrides=hf_overrides,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_tokenizers=args.num_tokenizers,
         block_size=args.block_size,

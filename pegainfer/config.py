@@ -14,6 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pegainfer.hf_config import check_rope_scaling, max_context_len, read_hf_config
+
+# Lets --max-model-len pass the model's positions, as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN.
+ALLOW_LONG_ENV = "PEGAINFER_ALLOW_LONG_MAX_MODEL_LEN"
+
 
 @dataclass
 class ModelInfo:
@@ -28,6 +33,12 @@ class ModelInfo:
     num_kv_heads: int
     head_dim: int
     hidden_size: int
+    # The longest context the positions cover (pegainfer/hf_config.py: YaRN's factor
+    # included); 0 in a config written before it existed: max_position_embeddings then.
+    max_context_len: int = 0
+
+    def longest_context(self) -> int:
+        return self.max_context_len or self.max_position_embeddings
 
 
 # The launcher's start, as recorded in config.json. The scheduler and the frontend are spawned
@@ -47,7 +58,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_num_seqs: int = 256
-    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    max_model_len: int = 0  # 0: the longest context the model's positions cover
+    # Keys laid over the model's config.json (--hf-overrides, --rope-scaling).
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
     max_num_batched_tokens: int = 0  # 0: derived from max_model_len and max_num_seqs
     num_tokenizers: int = 1
     block_size: int = 16
@@ -126,18 +139,13 @@ class EngineConfig:
             time.sleep(poll_s)
 
 
-def read_model_info(model_path: str) -> ModelInfo:
+def read_model_info(model_path: str, overrides: dict[str, Any] | None = None) -> ModelInfo:
     """Read the architecture facts the scheduler, tokenizer and frontend need, without torch."""
-    config_file = os.path.join(model_path, "config.json")
-    if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"{model_path} has no config.json; is it a model directory?")
-    with open(config_file) as f:
-        hf = json.load(f)
-    if "text_config" in hf:
-        hf = {**hf, **hf["text_config"]}
+    hf = read_hf_config(model_path, overrides)
     architectures = hf.get("architectures") or []
     if not architectures:
-        raise ValueError(f"{config_file} names no architectures")
+        raise ValueError(f"{model_path}/config.json names no architectures")
+    check_rope_scaling(hf)
     eos = hf.get("eos_token_id")
     generation_config = os.path.join(model_path, "generation_config.json")
     if os.path.isfile(generation_config):
@@ -155,14 +163,25 @@ def read_model_info(model_path: str) -> ModelInfo:
         num_kv_heads=hf.get("num_key_value_heads", num_heads),
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
         hidden_size=hf["hidden_size"],
+        max_context_len=max_context_len(hf),
     )
 
 
 def finalize(config: EngineConfig) -> EngineConfig:
     """Fill the derived fields once the model's info is known."""
     assert config.model is not None
+    longest = config.model.longest_context()
     if config.max_model_len <= 0:
-        config.max_model_len = config.model.max_position_embeddings
+        config.max_model_len = longest
+    elif config.max_model_len > longest and os.environ.get(ALLOW_LONG_ENV) != "1":
+        raise ValueError(
+            f"--max-model-len {config.max_model_len} is longer than the {longest} positions "
+            "the model covers (max_position_embeddings, with its rope scaling): past them "
+            "its outputs are unreliable. Extend the context with rope scaling, e.g. "
+            '--rope-scaling \'{"rope_type": "yarn", "factor": 4.0, '
+            '"original_max_position_embeddings": 32768}\' for Qwen3, or set '
+            f"{ALLOW_LONG_ENV}=1 to serve it anyway"
+        )
     if config.max_num_batched_tokens <= 0:
         config.max_num_batched_tokens = max(2048, min(config.max_model_len, 8192))
     return config

@@ -253,7 +253,7 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
 
         config.model_path = default_model_dir()
     config.model_path = os.path.abspath(config.model_path)
-    config.model = read_model_info(config.model_path)
+    config.model = read_model_info(config.model_path, config.hf_overrides)
     if not config.served_model_name:
         config.served_model_name = os.path.basename(config.model_path.rstrip("/"))
     config.sampling_defaults, notes = resolve_sampling_defaults(

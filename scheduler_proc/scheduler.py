@@ -82,7 +82,7 @@ class Scheduler(StepPlanning, ResultIntake, RequestEndings):
             raise ValueError("num_kv_blocks is not set; the workers have not reported it")
         max_model_len = config.max_model_len
         if max_model_len <= 0 and config.model is not None:
-            max_model_len = config.model.max_position_embeddings
+            max_model_len = config.model.longest_context()
         if max_model_len <= 0 or config.max_num_batched_tokens <= 0 or config.max_num_seqs <= 0:
             raise ValueError("max_model_len, max_num_batched_tokens and max_num_seqs must be set")
         self.block_size = config.block_size

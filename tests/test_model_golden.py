@@ -40,6 +40,19 @@ VARIANTS = {
             }
         },
     ),
+    # Qwen3's long-context setting, at a pretraining context of 32 tokens: the prompts and
+    # their generations run past it, and the attention factor (0.1 ln 4 + 1) scales cos/sin.
+    "qwen3_rope_yarn": (
+        "qwen3",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 10000.0,
+            }
+        },
+    ),
 }
 
 PROMPT_LENGTHS = [3, 11, 17, 26]
@@ -115,7 +128,7 @@ def test_prefill_logits_match_hf(checkpoints, variant):
     torch.testing.assert_close(runner.prefill_logits(tokens), ours, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "qwen3_tied", "llama"])
+@pytest.mark.parametrize("variant", ["qwen3", "qwen3_tied", "llama", "qwen3_rope_yarn"])
 def test_batched_chunked_greedy_generation_matches_hf(checkpoints, variant):
     """Four prompts of different lengths in one batch: prefill in chunks of 5 mixed with
     the others' decodes, block size 4 on shuffled physical blocks; each sequence's 32
@@ -167,7 +180,7 @@ def test_bfloat16_matches_hf_bfloat16(checkpoints, variant):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["qwen3", "llama"])
+@pytest.mark.parametrize("variant", ["qwen3", "llama", "qwen3_rope_yarn"])
 def test_cuda_matches_hf(checkpoints, variant):
     """On a GPU: float32 greedy generation equals HF exactly; in bfloat16, with the KV
     cache sized by the profile run, logits agree within bf16 tolerance and greedy tokens

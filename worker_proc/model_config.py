@@ -1,15 +1,16 @@
 """The model's architecture hyper-parameters, read from its config.json with plain json.
 
 Serving code never imports transformers, so this reads both the old layout (``rope_theta``
-and ``rope_scaling`` at top level) and the one transformers 5 writes (``rope_parameters``).
+and ``rope_scaling`` at top level) and the one transformers 5 writes (``rope_parameters``),
+through pegainfer/hf_config.py, which also applies the user's overrides.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Any
+
+from pegainfer.hf_config import check_rope_scaling, read_hf_config, rope_settings
 
 _DTYPES = {"float32", "float16", "bfloat16"}
 
@@ -36,20 +37,6 @@ class ModelConfig:
     raw: dict[str, Any]  # the whole config.json, for what a model family reads itself
 
 
-def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta = float(params["rope_theta"])
-        rope_type = params.get("rope_type") or params.get("type") or "default"
-        return theta, (None if rope_type == "default" else dict(params))
-    theta = float(hf.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling")
-    if isinstance(scaling, dict):
-        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
-        return theta, (None if rope_type == "default" else dict(scaling))
-    return theta, None
-
-
 def parse_model_config(hf: dict[str, Any]) -> ModelConfig:
     if "text_config" in hf:  # multimodal wrappers keep the language model's settings here
         hf = {**hf, **hf["text_config"]}
@@ -58,7 +45,8 @@ def parse_model_config(hf: dict[str, Any]) -> ModelConfig:
         raise ValueError("config.json names no architectures")
     num_heads = int(hf["num_attention_heads"])
     hidden_size = int(hf["hidden_size"])
-    theta, scaling = _rope_settings(hf)
+    check_rope_scaling(hf)
+    theta, scaling = rope_settings(hf)
     dtype = hf.get("torch_dtype") or hf.get("dtype")
     act = hf.get("hidden_act") or hf.get("hidden_activation") or "silu"
     return ModelConfig(
@@ -83,9 +71,5 @@ def parse_model_config(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
-def load_model_config(model_path: str) -> ModelConfig:
-    path = os.path.join(model_path, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{model_path} has no config.json; is it a model directory?")
-    with open(path) as f:
-        return parse_model_config(json.load(f))
+def load_model_config(model_path: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    return parse_model_config(read_hf_config(model_path, overrides))

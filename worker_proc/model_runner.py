@@ -99,7 +99,7 @@ class ModelRunner(StepDraw):
         timeline.mark("device")
 
         started = time.monotonic()
-        self.model_config = load_model_config(config.model_path)
+        self.model_config = load_model_config(config.model_path, config.hf_overrides)
         # Triton's import and cache key take most of a second, and the weights' load leaves
         # the CPU waiting on reads and copies: let the two overlap.
         triton_warm_up = None
