@@ -4,6 +4,7 @@
 # end lists each step's exit status.
 #
 #   bash tools/gpu_checks.sh tests    # GPU golden tests, Triton kernels, CUDA graphs, overlap
+#                                     # (SHARDS=3: three pytest processes at once)
 #   bash tools/gpu_checks.sh bench    # latency and throughput with step profiles, HF baseline,
 #                                     # kernels, linear layers, prefix TTFT
 #   bash tools/gpu_checks.sh serve    # startup time and memory, online serving load, a
@@ -50,21 +51,43 @@ tests)
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
     >"$out/gpu.txt"
   step gpu_golden python3 -m pytest -v -s -rs -p no:cacheprovider tests/test_gpu_golden.py
-  step gpu_tests python3 -m pytest -v -rs -p no:cacheprovider \
-    tests/test_model_golden.py tests/test_kernels_triton.py \
-    tests/test_kernels_triton_attention.py tests/test_kernels_decode_attention.py \
-    tests/test_kernels_attention_merge.py \
-    tests/test_kernels_linear.py tests/test_kernels_linear_fused.py tests/test_prefill_work.py \
-    tests/test_kernels_skinny_gemm.py tests/test_kernels_linear_norm.py \
-    tests/test_kernels_argmax.py tests/test_kernels_sampling_race.py \
-    tests/test_kernels_sampling_candidates.py tests/test_kernels_sampling_nucleus.py \
-    tests/test_kernels_top_candidates.py tests/test_kernels_embedding.py \
-    tests/test_kernels_decode_inputs.py tests/test_cuda_graphs.py tests/test_compile_ahead.py tests/test_compile_ahead_start_up.py \
-    tests/test_overlap.py tests/test_sampler.py tests/test_worker_logprobs.py \
-    tests/test_step_profile.py tests/test_prefill_profile.py tests/test_pdl.py \
-    tests/test_compile_watch.py tests/test_warm_up.py tests/test_logit_edits.py \
-    tests/test_min_tokens.py tests/test_kernels_token_bitmask.py tests/test_token_masks.py \
+  # These size the KV cache from the GPU's free memory, which other test processes would
+  # take: they run alone, before the shards.
+  step gpu_tests_alone python3 -m pytest -v -rs -p no:cacheprovider \
+    tests/test_model_golden.py tests/test_compile_ahead_start_up.py
+  files=(
+    tests/test_kernels_triton.py
+    tests/test_kernels_triton_attention.py tests/test_kernels_decode_attention.py
+    tests/test_kernels_attention_merge.py
+    tests/test_kernels_linear.py tests/test_kernels_linear_fused.py tests/test_prefill_work.py
+    tests/test_kernels_skinny_gemm.py tests/test_kernels_linear_norm.py
+    tests/test_kernels_argmax.py tests/test_kernels_sampling_race.py
+    tests/test_kernels_sampling_candidates.py tests/test_kernels_sampling_nucleus.py
+    tests/test_kernels_top_candidates.py tests/test_kernels_embedding.py
+    tests/test_kernels_decode_inputs.py tests/test_cuda_graphs.py tests/test_compile_ahead.py
+    tests/test_overlap.py tests/test_sampler.py tests/test_worker_logprobs.py
+    tests/test_step_profile.py tests/test_prefill_profile.py tests/test_pdl.py
+    tests/test_compile_watch.py tests/test_warm_up.py tests/test_logit_edits.py
+    tests/test_min_tokens.py tests/test_kernels_token_bitmask.py tests/test_token_masks.py
     tests/test_bad_words.py tests/test_engine_extras.py tests/test_structured_output_runner.py
+  )
+  # SHARDS=N runs the rest in N pytest processes at once, file by file in turn: most of the
+  # suite's time is Triton compiling on the CPU, which then spreads over the cores.
+  shards="${SHARDS:-1}"
+  started=$SECONDS
+  for ((i = 0; i < shards; i++)); do
+    part=()
+    for ((j = i; j < ${#files[@]}; j += shards)); do part+=("${files[j]}"); done
+    (
+      python3 -m pytest -v -rs -p no:cacheprovider "${part[@]}" >"$out/gpu_tests_$i.log" 2>&1
+      echo $? >"$out/gpu_tests_$i.rc"
+    ) &
+  done
+  wait
+  for ((i = 0; i < shards; i++)); do
+    summary+=("gpu_tests_$i: exit $(cat "$out/gpu_tests_$i.rc"), $((SECONDS - started)) s")
+    tail -n 15 "$out/gpu_tests_$i.log"
+  done
   ;;
 bench)
   need_checkpoint
