@@ -27,7 +27,7 @@ TINY_SIZES = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
-    max_position_embeddings=256,
+    max_position_embeddings=4096,
     # Default init (std 0.02) gives near-uniform logits and ties in greedy decoding.
     initializer_range=0.2,
     bos_token_id=None,
