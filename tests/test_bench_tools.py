@@ -149,6 +149,19 @@ def test_bench_latency_without_parts_of_the_step(micro_dir, tmp_path):
     assert "--without: unknown step parts o" in stderr
 
 
+def test_bench_latency_past_the_positions_with_rope_scaling(micro_dir, tmp_path):
+    """``--rope-scaling`` takes a context past the micro model's 4,096 positions (YaRN: 1,024
+    stretched eight times), which the engine refuses without it."""
+    yarn = '{"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024}'
+    args = ["--model-path", micro_dir, "--device", "cpu", "--contexts", "4200", "--steps", "2",
+            "--warmup-steps", "1", "--prefill-repeats", "1", "--out", str(tmp_path)]  # fmt: skip
+    run_tool("bench_latency", *args, "--rope-scaling", yarn)
+    (row,) = outputs(tmp_path, "latency")["results"]
+    assert row["context"] == 4200 and row["steps"] == 2
+    stderr = refused("bench_latency", *args)
+    assert "longer than the 4096 positions" in stderr
+
+
 def test_bench_throughput_inprocess_without_attention(micro_dir, tmp_path):
     """The in-process sweep takes ``--without`` too; the process tree cannot."""
     stdout, _ = run_tool(

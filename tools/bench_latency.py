@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--rope-scaling",
+        default="",
+        help="rope scaling over the model's, as pegainfer takes it, for contexts past its "
+        'positions, e.g. \'{"rope_type": "yarn", "factor": 4.0, '
+        '"original_max_position_embeddings": 32768}\'',
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="also profile decode steps at the first context and print where the GPU time goes",
@@ -93,10 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
 def make_runner(args: argparse.Namespace, max_model_len: int, shape: ModelShape) -> Any:
     from pegainfer.config import EngineConfig, finalize, read_model_info
     from pegainfer.gc_control import settle_heap
+    from pegainfer.hf_config import parse_hf_overrides
     from worker_proc.model_runner import ModelRunner
 
     # Exactly the blocks one sequence needs (plus one spare): no profile run, a fast start.
     blocks = -(-max_model_len // BLOCK_SIZE) + 1
+    overrides = parse_hf_overrides("", args.rope_scaling)
     config = EngineConfig(
         model_path=args.model_path,
         served_model_name="bench",
@@ -108,7 +117,8 @@ def make_runner(args: argparse.Namespace, max_model_len: int, shape: ModelShape)
         kv_cache_memory=blocks * BLOCK_SIZE * shape.kv_bytes_per_token,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
-        model=read_model_info(args.model_path),
+        hf_overrides=overrides,
+        model=read_model_info(args.model_path, overrides),
     )
     runner = ModelRunner(finalize(config), 0)
     settle_heap("bench")  # as the worker does once it is ready
