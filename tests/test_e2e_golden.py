@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.hf_reference import hf_greedy
 from tests.server_util import Server
 
 transformers = pytest.importorskip("transformers")
@@ -27,21 +28,7 @@ PROMPTS = [
 def _hf_greedy(model_dir: str, prompt_ids: list[list[int]]) -> list[list[int]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
-    outputs = []
-    for ids in prompt_ids:
-        input_ids = torch.tensor([ids])
-        with torch.no_grad():
-            out = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=NUM_TOKENS,
-                min_new_tokens=0,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        outputs.append(out[0, len(ids) :].tolist())
-    return outputs
+    return [hf_greedy(model, ids, NUM_TOKENS) for ids in prompt_ids]
 
 
 def _serve_and_generate(model_dir: str, tmp_path) -> tuple[list[int], list[list[int]]]:

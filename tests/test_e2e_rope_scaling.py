@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from tests.hf_reference import hf_greedy
 from tests.server_util import Server
 
 transformers = pytest.importorskip("transformers")
@@ -32,20 +33,7 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
         max_position_embeddings=MAX_POSITIONS,
         rope_parameters={**YARN, "rope_theta": 1_000_000.0},
     ).eval()
-    outputs = []
-    for ids in prompts:
-        input_ids = torch.tensor([ids])
-        with torch.no_grad():
-            out = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=NUM_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        outputs.append(out[0, len(ids) :].tolist())
-    return outputs
+    return [hf_greedy(model, ids, NUM_TOKENS) for ids in prompts]
 
 
 def test_yarn_tokens_match_transformers_past_the_original_context(tiny_qwen3_dir, tmp_path):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pegainfer.config import EngineConfig, finalize, read_model_info
+from tests.hf_reference import hf_greedy
 from tests.server_util import Server
 
 transformers = pytest.importorskip("transformers")
@@ -142,16 +143,7 @@ def test_bf16_greedy_through_the_process_tree_on_cuda(model_fixture, request, tm
     exact = 0
     for prompt, got in zip(PROMPTS, ours):
         ids = tokenizer(prompt)["input_ids"]
-        input_ids = torch.tensor([ids], device="cuda")
-        with torch.no_grad():
-            want = hf16.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=NUM_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(ids) :].tolist()
+        want = hf_greedy(hf16, ids, NUM_TOKENS)
         assert len(got) == NUM_TOKENS
         if got == want:
             exact += 1
