@@ -275,7 +275,9 @@ def serve(config: EngineConfig) -> int:
         return 2
     try:
         multinode.check_layout(config)
-        multinode.check_tensor_parallel(config.model_path, config.tensor_parallel_size)
+        multinode.check_tensor_parallel(
+            config.model_path, config.tensor_parallel_size, config.hf_overrides
+        )
     except (OSError, ValueError, KeyError) as exc:
         logger.error("cannot shard the model: %s", exc)
         return 2

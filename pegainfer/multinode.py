@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
-import json
-import os
 import socket
 import struct
+from typing import Any
 
 import zmq
 
 from pegainfer import ipc
 from pegainfer.config import EngineConfig
+from pegainfer.hf_config import read_hf_config
 
 _SIOCGIFADDR = 0x8915
 MAX_PORT = 65535
@@ -177,16 +177,15 @@ def _sizes_that_divide(*counts: int) -> list[int]:
     return [n for n in range(1, limit + 1) if all(c % n == 0 for c in counts)]
 
 
-def check_tensor_parallel(model_path: str, tp_size: int) -> None:
+def check_tensor_parallel(
+    model_path: str, tp_size: int, overrides: dict[str, Any] | None = None
+) -> None:
     """Raise ValueError, with the sizes that would work, if ``tp_size`` cannot shard the
     model: attention heads and the MLP split evenly; kv heads split evenly or, with more
     ranks than kv heads, are replicated on an equal number of ranks each."""
     if tp_size == 1:
         return
-    with open(os.path.join(model_path, "config.json")) as f:
-        hf = json.load(f)
-    if "text_config" in hf:
-        hf = {**hf, **hf["text_config"]}
+    hf = read_hf_config(model_path, overrides)
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     intermediate = int(hf.get("intermediate_size") or heads)
