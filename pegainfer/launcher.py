@@ -271,7 +271,7 @@ def serve(config: EngineConfig) -> int:
     try:
         config = resolve_model(config)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
-        logger.error("cannot load the model: %s", exc)
+        logger.error("cannot serve the model: %s", exc)
         return 2
     try:
         multinode.check_layout(config)
