@@ -14,6 +14,7 @@ import torch
 from worker_helpers import MiniScheduler, engine_config, make_tiny_checkpoint
 
 from pegainfer.protocol import SamplingParams
+from tests.hf_reference import hf_greedy
 from worker_proc.model_runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
@@ -78,19 +79,6 @@ def _prompts(seed: int) -> list[list[int]]:
     return [torch.randint(0, 512, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-def _hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def _assert_greedy_agrees_where_decisive(
     hf, prompt: list[int], ours: list[int], min_margin: float = 0.1
 ) -> None:
@@ -143,7 +131,7 @@ def test_batched_chunked_greedy_generation_matches_hf(checkpoints, variant):
     outputs = scheduler.run()
     assert scheduler.step_id > NEW_TOKENS  # chunked prefill took extra steps
     for seq_id, prompt in enumerate(prompts):
-        expected = _hf_greedy(hf, prompt, NEW_TOKENS)
+        expected = hf_greedy(hf, prompt, NEW_TOKENS)
         assert len(set(expected)) > 4, "degenerate reference output"
         assert outputs[seq_id + 100] == expected, f"prompt of {len(prompt)} tokens"
     # Finished sequences are reported in the next plan, which frees their state.
@@ -260,4 +248,4 @@ def test_smollm2_real_weights_match_hf(smollm2_dir):
     scheduler.add(0, prompt, 4, SamplingParams(temperature=0.0))
     tokens = scheduler.run()[0]
     assert tokenizer.decode(tokens).startswith(" Paris")
-    assert tokens == _hf_greedy(hf, prompt, 4)
+    assert tokens == hf_greedy(hf, prompt, 4)
