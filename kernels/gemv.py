@@ -40,7 +40,7 @@ def group_tiles_now() -> int:
 
 
 @triton_jit
-def _weight_tile(rows, index, K, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
+def weight_tile(rows, index, K, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
     ks = index * BLOCK_K + tl.arange(0, BLOCK_K)
     return tl.load(rows + ks[None, :], mask=(ks < K)[None, :], other=0.0, eviction_policy=EVICT)
 
@@ -96,9 +96,9 @@ def _gemv_kernel(
     if BLOCK_M == 1:
         w_rows = w_ptr + safe_features[:, None] * stride_w_row
         if PREFETCH_TILES >= 1:
-            w_0 = _weight_tile(w_rows, 0, K, BLOCK_K, W_EVICT)
+            w_0 = weight_tile(w_rows, 0, K, BLOCK_K, W_EVICT)
         if PREFETCH_TILES >= 2:
-            w_1 = _weight_tile(w_rows, 1, K, BLOCK_K, W_EVICT)
+            w_1 = weight_tile(w_rows, 1, K, BLOCK_K, W_EVICT)
     else:
         w_rows = w_ptr + safe_features[None, :, None] * stride_w_row
         if PREFETCH_TILES >= 1:
@@ -125,9 +125,9 @@ def _gemv_kernel(
         x_rows = x_ptr + safe_rows[:, None] * stride_x_row
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PREFETCH_TILES >= 1:
-            acc += _weight_tile(x_rows, 0, K, BLOCK_K, "").to(tl.float32) * w_0.to(tl.float32)
+            acc += weight_tile(x_rows, 0, K, BLOCK_K, "").to(tl.float32) * w_0.to(tl.float32)
         if PREFETCH_TILES >= 2:
-            acc += _weight_tile(x_rows, 1, K, BLOCK_K, "").to(tl.float32) * w_1.to(tl.float32)
+            acc += weight_tile(x_rows, 1, K, BLOCK_K, "").to(tl.float32) * w_1.to(tl.float32)
         # With LOOP_STAGES > 1 Triton copies the next tiles into shared memory asynchronously
         # while this one is summed: more bytes in flight a program without holding them in
         # registers (it pipelines loads that feed no tl.dot only when the loop asks for it).

@@ -287,6 +287,34 @@ SKINNY_STREAM_PREFETCH_TILES = 1
 SKINNY_STREAM_PREFETCH_MIN_ROWS = 32
 
 
+# The one-row gate/up GEMV fused with silu-and-mul (kernels/linear_fused.py), after the o
+# projection's stream. ``PEGAINFER_GATE_UP_PREFETCH_TILES`` replaces it.
+GATE_UP_PREFETCH_TILES = 0
+
+
+def gate_up_prefetch_tiles(k: int, block_k: int) -> int:
+    """Weight tiles of the one-row fused gate/up GEMV read before its wait."""
+    tiles = int(os.environ.get("PEGAINFER_GATE_UP_PREFETCH_TILES", GATE_UP_PREFETCH_TILES))
+    return max(0, min(tiles, MAX_PREFETCH_TILES, cdiv(k, block_k)))
+
+
+# The skinny gate/up GEMM fused with silu-and-mul (3-64 rows), paired tiles only.
+# ``PEGAINFER_SKINNY_GATE_UP_PREFETCH_TILES`` replaces it.
+SKINNY_GATE_UP_PREFETCH_TILES = 0
+
+
+def skinny_gate_up_prefetch_tiles(config: LinearConfig, k: int) -> int:
+    """Weight tiles (gate and up each) of one split of the skinny gate/up GEMM read before
+    its wait: none where its gate and up rows are not read in one loop."""
+    if not config.paired:
+        return 0
+    tiles = int(
+        os.environ.get("PEGAINFER_SKINNY_GATE_UP_PREFETCH_TILES", SKINNY_GATE_UP_PREFETCH_TILES)
+    )
+    span = cdiv(k, config.split_k)
+    return max(0, min(tiles, MAX_PREFETCH_TILES, cdiv(span, config.block_k)))
+
+
 def prefetch_tiles(config: LinearConfig, k: int, after: str = AFTER_IDLE) -> int:
     """The weight tiles a launch of ``config`` over ``k`` input features reads before its
     wait, after a kernel of the kind ``after`` names: at most one split's."""

@@ -28,6 +28,7 @@ import os
 
 import torch
 
+from kernels import gemv as gemv_tiles
 from kernels import pdl, pending_norm, rows_tile
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.backend import cdiv, load_triton, triton_jit, use_pdl, weight_eviction
@@ -55,6 +56,9 @@ def _row_dot_pair(
     gate_rows,
     up_rows,
     K,
+    gate_acc,
+    up_acc,
+    FIRST_TILE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -62,11 +66,10 @@ def _row_dot_pair(
     W_EVICT: tl.constexpr = "",
 ):
     """``BLOCK_N`` float32 dot products of one activation row with the gate rows and with
-    the up rows, both in one K loop; the caller rounds them to the activation dtype, as a
+    the up rows over the K tiles from ``FIRST_TILE`` on, both in one K loop, added to the
+    accumulators' partial products; the caller rounds them to the activation dtype, as a
     stored projection output would be."""
-    gate_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k_start in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+    for k_start in tl.range(FIRST_TILE * BLOCK_K, K, BLOCK_K, num_stages=LOOP_STAGES):
         ks = k_start + tl.arange(0, BLOCK_K)
         if EVEN_K:
             gate_w = tl.load(gate_rows + ks[None, :], eviction_policy=W_EVICT)
@@ -88,6 +91,14 @@ def _row_dot_pair(
 
 
 @triton_jit
+def _early_tile_products(x_ptr, gate_w, up_w, index, K, gate_acc, up_acc, BLOCK_K: tl.constexpr):
+    """Adds one K tile's products of weight tiles read before the PDL wait."""
+    ks = index * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_row = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
+    return gate_acc + x_row * gate_w.to(tl.float32), up_acc + x_row * up_w.to(tl.float32)
+
+
+@triton_jit
 def _gemv_silu_and_mul_kernel(
     x_ptr,
     w_ptr,
@@ -103,6 +114,7 @@ def _gemv_silu_and_mul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PREFETCH_TILES: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
@@ -113,14 +125,42 @@ def _gemv_silu_and_mul_kernel(
     safe_features = tl.where(feature_mask, features, 0).to(tl.int64)
     gate_rows = w_ptr + safe_features[:, None] * stride_w_row
     up_rows = w_ptr + (safe_features + N)[:, None] * stride_w_row
+    # Weights are written before the step: the first tiles may be read before the wait.
+    if PREFETCH_TILES >= 1:
+        gate_0 = gemv_tiles.weight_tile(gate_rows, 0, K, BLOCK_K, W_EVICT)
+        up_0 = gemv_tiles.weight_tile(up_rows, 0, K, BLOCK_K, W_EVICT)
+    if PREFETCH_TILES >= 2:
+        gate_1 = gemv_tiles.weight_tile(gate_rows, 1, K, BLOCK_K, W_EVICT)
+        up_1 = gemv_tiles.weight_tile(up_rows, 1, K, BLOCK_K, W_EVICT)
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     if NORMED:
         row = tl.arange(0, 1)
         square_sums = pending_norm.load_square_sums(
             in_sums_ptr, row, row < 1, num_in_groups, num_in_groups, IN_GROUPS
         )
+    gate_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if PREFETCH_TILES >= 1:
+        gate_acc, up_acc = _early_tile_products(
+            x_ptr, gate_0, up_0, 0, K, gate_acc, up_acc, BLOCK_K
+        )
+    if PREFETCH_TILES >= 2:
+        gate_acc, up_acc = _early_tile_products(
+            x_ptr, gate_1, up_1, 1, K, gate_acc, up_acc, BLOCK_K
+        )
     gate, up = _row_dot_pair(
-        x_ptr, gate_rows, up_rows, K, BLOCK_N, BLOCK_K, EVEN_K, LOOP_STAGES, W_EVICT
+        x_ptr,
+        gate_rows,
+        up_rows,
+        K,
+        gate_acc,
+        up_acc,
+        PREFETCH_TILES,
+        BLOCK_N,
+        BLOCK_K,
+        EVEN_K,
+        LOOP_STAGES,
+        W_EVICT,
     )
     if NORMED:
         inv_rms = tl.sum(pending_norm.inverse_rms(square_sums, K, eps))
@@ -293,7 +333,11 @@ def skinny_fusion_config(x: torch.Tensor, weight: torch.Tensor) -> LinearConfig 
     return skinny_config(x.shape[0], weight.shape[0], weight.shape[1], silu_mul=True)
 
 
-def linear_silu_and_mul_triton(x: torch.Tensor | PendingNorm, weight: torch.Tensor) -> torch.Tensor:
+def linear_silu_and_mul_triton(
+    x: torch.Tensor | PendingNorm, weight: torch.Tensor, prefetch_tiles: int | None = None
+) -> torch.Tensor:
+    """The one-row fused kernel; ``prefetch_tiles`` weight tiles of each program are read
+    before the PDL wait (None: ``gate_up_prefetch_tiles``'s rule)."""
     normed = x if isinstance(x, PendingNorm) else None
     if normed is not None:
         x = normed.weighted
@@ -309,6 +353,10 @@ def linear_silu_and_mul_triton(x: torch.Tensor | PendingNorm, weight: torch.Tens
     # width; two of each in one loop took 2.55-2.56 (64 registers against 38).
     block_n, block_k, num_warps, num_stages = _fused_tile(2 * n, k)
     block_n = max(1, block_n // 4)
+    if prefetch_tiles is None:
+        from kernels.linear_configs import gate_up_prefetch_tiles
+
+        prefetch_tiles = gate_up_prefetch_tiles(k, block_k)
     load_triton()
     with_pdl = use_pdl(x)
     _gemv_silu_and_mul_kernel[(cdiv(n, block_n),)](
@@ -326,6 +374,7 @@ def linear_silu_and_mul_triton(x: torch.Tensor | PendingNorm, weight: torch.Tens
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
+        PREFETCH_TILES=prefetch_tiles,
         LOOP_STAGES=num_stages,
         W_EVICT=weight_eviction(),
         USE_PDL=with_pdl,
@@ -347,7 +396,12 @@ def linear_silu_and_mul(x: torch.Tensor | PendingNorm, weight: torch.Tensor) -> 
         return linear_silu_and_mul_rows(x, weight, rows_config)
     config = skinny_fusion_config(stream, weight)
     if config is not None:
+        from kernels.linear_configs import skinny_gate_up_prefetch_tiles
+
+        tiles = skinny_gate_up_prefetch_tiles(config, weight.shape[1])
         if isinstance(x, PendingNorm):
-            return skinny_gemm_with(x.weighted, weight, None, config, silu_mul=True, normed=x)
-        return skinny_gemm_with(x, weight, None, config, silu_mul=True)
+            return skinny_gemm_with(
+                x.weighted, weight, None, config, silu_mul=True, normed=x, prefetch_tiles=tiles
+            )
+        return skinny_gemm_with(x, weight, None, config, silu_mul=True, prefetch_tiles=tiles)
     return silu_and_mul(linear(x, weight))

@@ -41,13 +41,14 @@ def _row(k: int, dtype: torch.dtype, offset: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("tiles", ["rules", "small"])
-def test_linear_silu_and_mul_matches_reference(monkeypatch, dtype, n, k, tiles):
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_linear_silu_and_mul_matches_reference(monkeypatch, dtype, n, k, tiles, prefetch):
     if tiles == "small":
         monkeypatch.setenv("PEGAINFER_LINEAR_TILES", SMALL_TILES)
     x = _row(k, dtype, n + k)
     weight = randn(2 * n, k, g=gen(n + k + 1), dtype=dtype, scale=k**-0.5)
     with poisoned():
-        out = linear_silu_and_mul_triton(x, weight)
+        out = linear_silu_and_mul_triton(x, weight, prefetch_tiles=prefetch)
     # The projection is rounded to the dtype before the epilogue, as the reference does.
     if CUDA or dtype != torch.bfloat16:
         want = linear_silu_and_mul_ref(x, weight)
@@ -56,7 +57,7 @@ def test_linear_silu_and_mul_matches_reference(monkeypatch, dtype, n, k, tiles):
         # three such casts in a row the error adds up, so the reference truncates too.
         gate, up = _truncated(x.float() @ weight.float().T).chunk(2, dim=-1)
         want = _truncated(torch.nn.functional.silu(gate) * up).to(dtype)
-    check(out, want, f"gate_up + silu_and_mul n={n} k={k} tiles={tiles}")
+    check(out, want, f"gate_up + silu_and_mul n={n} k={k} tiles={tiles} prefetch={prefetch}")
 
 
 def test_fused_gate_up_gates_each_feature_by_its_own_gate():

@@ -8,6 +8,8 @@ run (seed in messages).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from triton_test_util import CUDA, DEVICE, check, gen, gpu_only, poisoned, randn, requires_triton
@@ -24,15 +26,19 @@ from kernels.linear import (
     linear_triton,
 )
 from kernels.linear_configs import (
+    GATE_UP_PREFETCH_TILES,
     GEMV_PREFETCH_TILES,
     GEMV_STREAM_PREFETCH_TILES,
     MAX_PREFETCH_TILES,
     ROWS_GEMV_PREFETCH_TILES,
+    SKINNY_GATE_UP_PREFETCH_TILES,
     SKINNY_PREFETCH_TILES,
     SKINNY_STREAM_PREFETCH_TILES,
+    gate_up_prefetch_tiles,
     pick_config,
     prefetch_tiles,
     prefetching_gemv_config,
+    skinny_gate_up_prefetch_tiles,
 )
 from kernels.linear_fused import linear_silu_and_mul_ref, linear_silu_and_mul_triton
 from kernels.linear_norm import fused_rows_limit, linear_add_rms_norm, linear_add_rms_norm_ref
@@ -191,10 +197,32 @@ def test_prefetch_tiles_stay_within_the_weight(monkeypatch):
     assert prefetch_tiles(o_skinny, 4096 * 4) == MAX_PREFETCH_TILES
 
 
+def test_gate_up_prefetch_stays_within_its_split_and_needs_paired_rows(monkeypatch):
+    monkeypatch.delenv("PEGAINFER_GATE_UP_PREFETCH_TILES", raising=False)
+    monkeypatch.delenv("PEGAINFER_SKINNY_GATE_UP_PREFETCH_TILES", raising=False)
+    assert gate_up_prefetch_tiles(2560, 512) == GATE_UP_PREFETCH_TILES
+    assert (
+        skinny_gate_up_prefetch_tiles(LinearConfig("skinny", 128, 64, 8, 16, 1, 4, True, 132), 2560)
+        == SKINNY_GATE_UP_PREFETCH_TILES
+    )
+    monkeypatch.setenv("PEGAINFER_GATE_UP_PREFETCH_TILES", "2")
+    monkeypatch.setenv("PEGAINFER_SKINNY_GATE_UP_PREFETCH_TILES", "2")
+    assert gate_up_prefetch_tiles(2560, 512) == 2
+    assert gate_up_prefetch_tiles(300, 512) == 1  # all of K in one tile
+    paired = LinearConfig("skinny", 128, 64, 8, 16, 40, 4, True, 132)
+    assert skinny_gate_up_prefetch_tiles(paired, 2560) == 1  # 64 of K a split: one tile
+    assert skinny_gate_up_prefetch_tiles(dataclasses.replace(paired, split_k=1), 2560) == 2
+    unpaired = dataclasses.replace(paired, paired=False, split_k=1)
+    assert skinny_gate_up_prefetch_tiles(unpaired, 2560) == 0
+    monkeypatch.setenv("PEGAINFER_GATE_UP_PREFETCH_TILES", "7")
+    assert gate_up_prefetch_tiles(2560, 512) == MAX_PREFETCH_TILES
+
+
 @pytest.mark.parametrize("tiles", ["1", "2"])
 def test_a_consumer_reading_weight_tiles_early_gives_the_same_bits(tiles, monkeypatch):
-    """The qkv projection's GEMV reads weight tiles before its wait and applies the pending
-    norm as before: the same bits as without, over whole tiles and a partial last one."""
+    """The qkv projection's GEMV and the fused gate/up GEMV read weight tiles before their
+    wait and apply the pending norm as before: the same bits as without, over whole tiles and
+    a partial last one."""
     monkeypatch.setenv("PEGAINFER_GEMV_STREAM_PREFETCH_TILES", tiles)
     pending, normed = _pending(1, 80, DTYPES[-1], 23, PRODUCERS[0][3])
     for n, config in ((40, LinearConfig("gemv", 4, 32, 1)), (24, LinearConfig("gemv", 2, 64, 2))):
@@ -204,6 +232,14 @@ def test_a_consumer_reading_weight_tiles_early_gives_the_same_bits(tiles, monkey
             early = linear_triton(pending, weight, None, config, prefetch=AFTER_STREAM)
         check(early, _projected(normed, weight), f"{config} prefetching {tiles}")
         assert torch.equal(early, plain), f"{config}: prefetching {tiles} changed the output"
+    # The gate/up GEMV fused with silu-and-mul, in 32-wide K tiles (three, the last partial).
+    monkeypatch.setenv("PEGAINFER_LINEAR_TILES", "48,80=8,32,1")
+    gate_up = randn(48, 80, g=gen(48), dtype=pending.hidden.dtype, scale=80**-0.5)
+    plain = linear_silu_and_mul_triton(pending, gate_up, prefetch_tiles=0)
+    with poisoned():
+        early = linear_silu_and_mul_triton(pending, gate_up, prefetch_tiles=int(tiles))
+    check(early, _projected(normed, gate_up, silu_mul=True), f"gate/up prefetching {tiles}")
+    assert torch.equal(early, plain), f"gate/up: prefetching {tiles} changed the output"
     assert _counters_clear()
 
 
