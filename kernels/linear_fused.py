@@ -353,10 +353,11 @@ def linear_silu_and_mul_triton(
     # width; two of each in one loop took 2.55-2.56 (64 registers against 38).
     block_n, block_k, num_warps, num_stages = _fused_tile(2 * n, k)
     block_n = max(1, block_n // 4)
-    if prefetch_tiles is None:
-        from kernels.linear_configs import gate_up_prefetch_tiles
+    from kernels.linear_configs import fused_gate_up_block_n, gate_up_prefetch_tiles
 
+    if prefetch_tiles is None:
         prefetch_tiles = gate_up_prefetch_tiles(k, block_k)
+    block_n = fused_gate_up_block_n(block_n, 2 * n, k, prefetch_tiles > 0)
     load_triton()
     with_pdl = use_pdl(x)
     _gemv_silu_and_mul_kernel[(cdiv(n, block_n),)](
@@ -396,12 +397,7 @@ def linear_silu_and_mul(x: torch.Tensor | PendingNorm, weight: torch.Tensor) -> 
         return linear_silu_and_mul_rows(x, weight, rows_config)
     config = skinny_fusion_config(stream, weight)
     if config is not None:
-        from kernels.linear_configs import skinny_gate_up_prefetch_tiles
-
-        tiles = skinny_gate_up_prefetch_tiles(config, weight.shape[1])
         if isinstance(x, PendingNorm):
-            return skinny_gemm_with(
-                x.weighted, weight, None, config, silu_mul=True, normed=x, prefetch_tiles=tiles
-            )
-        return skinny_gemm_with(x, weight, None, config, silu_mul=True, prefetch_tiles=tiles)
+            return skinny_gemm_with(x.weighted, weight, None, config, silu_mul=True, normed=x)
+        return skinny_gemm_with(x, weight, None, config, silu_mul=True)
     return silu_and_mul(linear(x, weight))

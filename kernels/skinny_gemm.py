@@ -190,7 +190,6 @@ def _skinny_gemm_silu_and_mul_kernel(
     USE_PDL: tl.constexpr,
     PAIRED: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
-    PREFETCH_TILES: tl.constexpr,
     W_EVICT: tl.constexpr,
     BALANCED: tl.constexpr,
 ):
@@ -230,7 +229,7 @@ def _skinny_gemm_silu_and_mul_kernel(
         USE_PDL,
         PAIRED,
         LAUNCH_SUCCESSOR,
-        PREFETCH_TILES,
+        0,
         W_EVICT,
         BALANCED,
     )
@@ -266,8 +265,8 @@ def skinny_gemm(
     With ``normed`` (whose weighted stream is ``x``) the pending RMSNorm's row scale is
     applied. With ``residual [M, N]`` and ``norm_weight [N]`` the result is ``(s, square
     sums [M, tiles], s * norm_weight)`` for ``s = round(x @ weight.T) + residual``: what the
-    norm that follows needs (kernels/pending_norm.py). A plain projection, or a paired
-    gate/up one, may read ``prefetch_tiles`` weight tiles of its split before the PDL wait.
+    norm that follows needs (kernels/pending_norm.py). A plain projection may read
+    ``prefetch_tiles`` weight tiles of its split before the PDL wait.
 
     ``groups`` > 0 divides the N features evenly over that many programs a split, each at
     most ``block_n``, instead of tiles of ``block_n``. A projection with no residual add
@@ -284,8 +283,6 @@ def skinny_gemm(
         n //= 2
         if bias is not None:
             raise ValueError("silu_mul takes no bias")
-        if prefetch_tiles and not paired:
-            raise ValueError("silu_mul reads weight tiles early only with paired gate/up rows")
     if residual is not None and (silu_mul or bias is not None or out is not None):
         raise ValueError("the residual add takes a plain projection with no bias or out")
     if x.stride(-1) != 1:
@@ -359,7 +356,7 @@ def skinny_gemm(
         num_warps=num_warps,
         num_stages=num_stages,
         **({"PAIRED": paired} if silu_mul else {}),
-        PREFETCH_TILES=prefetch_tiles,
+        **({} if silu_mul else {"PREFETCH_TILES": prefetch_tiles}),
         **pdl.launch_options(with_pdl),
     )
     return out if out_sums is None else (out, out_sums, weighted)
@@ -385,12 +382,11 @@ def skinny_gemm_with(
     silu_mul: bool = False,
     normed: PendingNorm | None = None,
     out: torch.Tensor | None = None,
-    prefetch_tiles: int = 0,
 ) -> torch.Tensor:
     """``skinny_gemm`` with the tile of a ``LinearConfig``."""
     result = skinny_gemm(
         x, weight, bias, silu_mul=silu_mul, normed=normed, paired=config.paired, out=out,
-        prefetch_tiles=prefetch_tiles, **_tile(config),
+        **_tile(config),
     )  # fmt: skip
     assert isinstance(result, torch.Tensor)
     return result

@@ -100,28 +100,6 @@ def _prefetched_dot(
 
 
 @triton_jit
-def _prefetched_dot_pair(
-    acc,
-    up_acc,
-    w,
-    up_w,
-    x_rows,
-    k_begin,
-    index,
-    k_end,
-    BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    x = _split_tile(x_rows, k_begin, index, k_end, BLOCK_K, "")
-    if DOT_FP32:
-        w = w.to(tl.float32)
-        up_w = up_w.to(tl.float32)
-        x = x.to(tl.float32)
-    x_t = tl.trans(x)
-    return tl.dot(w, x_t, acc), tl.dot(up_w, x_t, up_acc)
-
-
-@triton_jit
 def _tile_dot_pair(
     acc,
     up_acc,
@@ -243,17 +221,6 @@ def skinny_gemm_tile(
         w_0 = _split_weight_tile(w_rows, w_mask, k_begin, 0, k_end, BLOCK_K, W_EVICT, BALANCED)
     if PREFETCH_TILES >= 2:
         w_1 = _split_weight_tile(w_rows, w_mask, k_begin, 1, k_end, BLOCK_K, W_EVICT, BALANCED)
-    if SILU_MUL:
-        # The paired gate/up tile reads its up rows' tiles early too (none unpaired).
-        up_rows = w_rows + N * stride_w_row
-        if PREFETCH_TILES >= 1:
-            up_0 = _split_weight_tile(
-                up_rows, w_mask, k_begin, 0, k_end, BLOCK_K, W_EVICT, BALANCED
-            )
-        if PREFETCH_TILES >= 2:
-            up_1 = _split_weight_tile(
-                up_rows, w_mask, k_begin, 1, k_end, BLOCK_K, W_EVICT, BALANCED
-            )
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     if NORMED:
         square_sums = pending_norm.load_square_sums(
@@ -264,22 +231,14 @@ def skinny_gemm_tile(
     if SILU_MUL:
         up_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         if PAIRED:
-            if PREFETCH_TILES >= 1:
-                acc, up_acc = _prefetched_dot_pair(
-                    acc, up_acc, w_0, up_0, x_rows, k_begin, 0, k_end, BLOCK_K, DOT_FP32
-                )
-            if PREFETCH_TILES >= 2:
-                acc, up_acc = _prefetched_dot_pair(
-                    acc, up_acc, w_1, up_1, x_rows, k_begin, 1, k_end, BLOCK_K, DOT_FP32
-                )
             acc, up_acc = _tile_dot_pair(
                 acc,
                 up_acc,
                 x_rows,
                 w_rows,
-                up_rows,
+                w_rows + N * stride_w_row,
                 w_mask,
-                tl.minimum(k_begin + PREFETCH_TILES * BLOCK_K, k_end),
+                k_begin,
                 k_end,
                 K,
                 BLOCK_K,

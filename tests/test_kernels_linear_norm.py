@@ -8,8 +8,6 @@ run (seed in messages).
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from triton_test_util import CUDA, DEVICE, check, gen, gpu_only, poisoned, randn, requires_triton
@@ -31,14 +29,13 @@ from kernels.linear_configs import (
     GEMV_STREAM_PREFETCH_TILES,
     MAX_PREFETCH_TILES,
     ROWS_GEMV_PREFETCH_TILES,
-    SKINNY_GATE_UP_PREFETCH_TILES,
     SKINNY_PREFETCH_TILES,
     SKINNY_STREAM_PREFETCH_TILES,
+    fused_gate_up_block_n,
     gate_up_prefetch_tiles,
     pick_config,
     prefetch_tiles,
     prefetching_gemv_config,
-    skinny_gate_up_prefetch_tiles,
 )
 from kernels.linear_fused import linear_silu_and_mul_ref, linear_silu_and_mul_triton
 from kernels.linear_norm import fused_rows_limit, linear_add_rms_norm, linear_add_rms_norm_ref
@@ -197,23 +194,18 @@ def test_prefetch_tiles_stay_within_the_weight(monkeypatch):
     assert prefetch_tiles(o_skinny, 4096 * 4) == MAX_PREFETCH_TILES
 
 
-def test_gate_up_prefetch_stays_within_its_split_and_needs_paired_rows(monkeypatch):
+def test_the_fused_gate_up_reads_two_tiles_early_in_programs_of_two_features(monkeypatch):
     monkeypatch.delenv("PEGAINFER_GATE_UP_PREFETCH_TILES", raising=False)
-    monkeypatch.delenv("PEGAINFER_SKINNY_GATE_UP_PREFETCH_TILES", raising=False)
-    assert gate_up_prefetch_tiles(2560, 512) == GATE_UP_PREFETCH_TILES
-    assert (
-        skinny_gate_up_prefetch_tiles(LinearConfig("skinny", 128, 64, 8, 16, 1, 4, True, 132), 2560)
-        == SKINNY_GATE_UP_PREFETCH_TILES
-    )
-    monkeypatch.setenv("PEGAINFER_GATE_UP_PREFETCH_TILES", "2")
-    monkeypatch.setenv("PEGAINFER_SKINNY_GATE_UP_PREFETCH_TILES", "2")
-    assert gate_up_prefetch_tiles(2560, 512) == 2
+    monkeypatch.delenv("PEGAINFER_LINEAR_TILES", raising=False)
+    assert gate_up_prefetch_tiles(2560, 512) == GATE_UP_PREFETCH_TILES == 2
     assert gate_up_prefetch_tiles(300, 512) == 1  # all of K in one tile
-    paired = LinearConfig("skinny", 128, 64, 8, 16, 40, 4, True, 132)
-    assert skinny_gate_up_prefetch_tiles(paired, 2560) == 1  # 64 of K a split: one tile
-    assert skinny_gate_up_prefetch_tiles(dataclasses.replace(paired, split_k=1), 2560) == 2
-    unpaired = dataclasses.replace(paired, paired=False, split_k=1)
-    assert skinny_gate_up_prefetch_tiles(unpaired, 2560) == 0
+    assert fused_gate_up_block_n(1, 19456, 2560, prefetching=True) == 2
+    assert fused_gate_up_block_n(1, 19456, 2560, prefetching=False) == 1
+    assert fused_gate_up_block_n(4, 19456, 2560, prefetching=True) == 4
+    monkeypatch.setenv("PEGAINFER_LINEAR_TILES", "19456,2560=4,512,2")
+    assert fused_gate_up_block_n(1, 19456, 2560, prefetching=True) == 1  # set by hand
+    monkeypatch.setenv("PEGAINFER_GATE_UP_PREFETCH_TILES", "0")
+    assert gate_up_prefetch_tiles(2560, 512) == 0
     monkeypatch.setenv("PEGAINFER_GATE_UP_PREFETCH_TILES", "7")
     assert gate_up_prefetch_tiles(2560, 512) == MAX_PREFETCH_TILES
 

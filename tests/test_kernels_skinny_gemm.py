@@ -82,32 +82,6 @@ def test_skinny_gemm_matches_reference(
     assert _counters_clear(), "a split launch left a tile counter set"
 
 
-@pytest.mark.parametrize("tiles", [1, 2])
-@pytest.mark.parametrize("rows,n,k,block_n,block_k,split_k", [CASES[1], CASES[3], CASES[7]])
-def test_paired_gate_up_reading_tiles_early_gives_the_same_bits(
-    tiles, rows, n, k, block_n, block_k, split_k
-):
-    """The paired gate/up tile reads its split's first gate and up tiles before the wait:
-    the same bits as reading none, splits of fewer tiles than that included."""
-    dtype = torch.float16  # the interpreter truncates bfloat16 (see above)
-    x, weight = _operands(rows, 2 * n, k, dtype, rows + n + k + tiles)
-
-    def run(prefetch: int) -> torch.Tensor:
-        return skinny_gemm(
-            x, weight, None, block_n, block_k, split_k, silu_mul=True, paired=True,
-            prefetch_tiles=prefetch,
-        )  # fmt: skip
-
-    plain = run(0)
-    with poisoned():
-        early = run(tiles)
-    check(early, _reference(x, weight, True), f"rows={rows} n={n} k={k} prefetching {tiles}")
-    assert torch.equal(early, plain)
-    assert _counters_clear(), "a split launch left a tile counter set"
-    with pytest.raises(ValueError, match="only with paired"):
-        skinny_gemm(x, weight, None, block_n, block_k, split_k, silu_mul=True, prefetch_tiles=1)
-
-
 # (rows, N, K, block_n, block_k, split_k, groups): features divided evenly over the programs,
 # N / groups not whole, split or not, a K the chunk does not divide, every padded row count.
 BALANCED = [

@@ -196,7 +196,7 @@ def decode_step_launches(
         linear_add_residual_triton,
         linear_triton,
     )
-    from kernels.linear_configs import pick_config, skinny_config, skinny_gate_up_prefetch_tiles
+    from kernels.linear_configs import pick_config, skinny_config
     from kernels.linear_fused import (
         linear_silu_and_mul_rows,
         linear_silu_and_mul_triton,
@@ -286,13 +286,7 @@ def decode_step_launches(
             step(
                 "gate_up",
                 lambda: skinny_gemm_with(
-                    pending().weighted,
-                    gate_up,
-                    None,
-                    config,
-                    silu_mul=True,
-                    normed=pending(),
-                    prefetch_tiles=skinny_gate_up_prefetch_tiles(config, hidden),
+                    pending().weighted, gate_up, None, config, silu_mul=True, normed=pending()
                 ),
             )
         add_norm("down", _empty(rows, inter), hidden, prefetch=AFTER_STREAM)
