@@ -292,9 +292,11 @@ SKINNY_STREAM_PREFETCH_MIN_ROWS = 32
 # each) before its wait, in programs of two features where the rule gives one (4,864 programs
 # of Qwen3-4B, 14 a SM, against 9,728 of 25). On an H100 (Qwen3-4B, copy 3.0 TB/s,
 # bench_latency, two alternated rounds) batch-1 steps at context 128 / 4k took 2.97 / 3.28 ms
-# against 3.03 / 3.34 with none (2.98 / 3.30 with two tiles in programs of one feature). The
-# paired skinny gate/up GEMM of 8 and 32 rows reading one or two tiles early gained nothing
-# (in process, 3.80 / 5.15 ms a step against 3.82-3.83 / 5.15-5.16).
+# against 3.03 / 3.34 with none (2.98 / 3.30 with two tiles in programs of one feature; 3.05 /
+# 3.36 with one tile; 3.04 / 3.36 with four features a program, 3.01 / 3.34 with two in 4-warp
+# programs, against 3.02 / 3.33 in that call). The paired skinny gate/up GEMM of 8 and 32 rows
+# reading one or two tiles early gained nothing (in process, 3.80 / 5.15 ms a step against
+# 3.82-3.83 / 5.15-5.16).
 # ``PEGAINFER_GATE_UP_PREFETCH_TILES`` replaces it.
 GATE_UP_PREFETCH_TILES = 2
 
