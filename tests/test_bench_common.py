@@ -30,7 +30,8 @@ from tools.bench_common import (  # noqa: E402
     prefill_roofline_s,
     summarize,
 )
-from tools.make_tiny_checkpoint import build_config, write_safetensors  # noqa: E402
+from tools.make_tiny_checkpoint import build_config  # noqa: E402
+from tools.safetensors_writer import write_safetensors  # noqa: E402
 
 
 def _hf_param_count(config) -> int:

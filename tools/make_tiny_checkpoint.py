@@ -27,15 +27,15 @@ import json
 import math
 import os
 import shutil
-import struct
 import sys
 import time
 import zlib
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from tools.safetensors_writer import write_safetensors
 
 QWEN_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 # Qwen3's vocabulary rows: 151643 BPE tokens + the added tokens, padded up as Qwen ships it.
@@ -153,7 +153,6 @@ _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Presets small enough to be float32 by default (the others exist to measure speed, in bf16).
 SMALL_PRESETS = ("tiny", "micro")
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 TINY_SHARD_SIZE = "10MB"  # small enough that even a tiny model is split and gets an index
 LARGE_SHARD_BYTES = 4 * 1024**3
 
@@ -309,63 +308,6 @@ def _generation_device(device: str) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(device)
-
-
-def write_safetensors(
-    path: str,
-    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
-    make: Callable[[str], torch.Tensor],
-    pool: ThreadPoolExecutor,
-) -> int:
-    """Write one safetensors file whose tensors ``make(name)`` produces, in parallel.
-
-    The header is written first from the shapes alone, so every tensor's place in the file
-    is known before it exists: each is generated and written at its offset by a pool thread
-    and dropped, and memory holds only the tensors in flight. Returns the data bytes.
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    places = []
-    for name, shape, dtype in specs:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        places.append((name, offset, nbytes))
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    data_start = 8 + len(encoded)
-
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.ftruncate(fd, data_start + offset)
-        _pwrite_all(fd, struct.pack("<Q", len(encoded)) + encoded, 0)
-
-        def write_one(place: tuple[str, int, int]) -> None:
-            name, start, nbytes = place
-            tensor = make(name).contiguous().cpu()
-            raw = tensor.reshape(-1).view(torch.uint8).numpy()
-            if raw.nbytes != nbytes:
-                raise RuntimeError(f"{name}: made {raw.nbytes} bytes, expected {nbytes}")
-            _pwrite_all(fd, memoryview(raw), data_start + start)
-
-        for _ in pool.map(write_one, places):
-            pass
-    finally:
-        os.close(fd)
-    return offset
-
-
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        # One write moves at most ~2 GiB on Linux; loop until all of it is down.
-        written = os.pwrite(fd, view, offset)
-        view = view[written:]
-        offset += written
 
 
 def _generation_config(config: Any) -> Any:
