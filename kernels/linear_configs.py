@@ -297,13 +297,18 @@ SKINNY_STREAM_PREFETCH_MIN_ROWS = 32
 # programs, against 3.02 / 3.33 in that call). The paired skinny gate/up GEMM of 8 and 32 rows
 # reading one or two tiles early gained nothing (in process, 3.80 / 5.15 ms a step against
 # 3.82-3.83 / 5.15-5.16).
-# ``PEGAINFER_GATE_UP_PREFETCH_TILES`` replaces it.
+# Hidden sizes of 4,096 and more (Qwen3-8B to 32B) take 1,024-wide K tiles in 4-warp
+# programs, where two early tiles hold half of K and leave 7 programs a SM against 12
+# (tools/kernel_resources): not measured, so they read none.
+# ``PEGAINFER_GATE_UP_PREFETCH_TILES`` replaces it at every size.
 GATE_UP_PREFETCH_TILES = 2
+GATE_UP_PREFETCH_MAX_BLOCK_K = 512
 
 
 def gate_up_prefetch_tiles(k: int, block_k: int) -> int:
     """Weight tiles of the one-row fused gate/up GEMV read before its wait."""
-    tiles = int(os.environ.get("PEGAINFER_GATE_UP_PREFETCH_TILES", GATE_UP_PREFETCH_TILES))
+    rule = GATE_UP_PREFETCH_TILES if block_k <= GATE_UP_PREFETCH_MAX_BLOCK_K else 0
+    tiles = int(os.environ.get("PEGAINFER_GATE_UP_PREFETCH_TILES", rule))
     return max(0, min(tiles, MAX_PREFETCH_TILES, cdiv(k, block_k)))
 
 
