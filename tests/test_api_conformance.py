@@ -1,101 +1,29 @@
-"""OpenAI API conformance of the real process tree, with the `openai` client and raw HTTP.
-
-Most tests run on the tiny random Qwen3 (real Qwen3 tokenizer and chat template), copied
-with one change: a token its greedy output reaches is declared an EOS, so EOS, ignore_eos
-and min_tokens can be tested on a random model. Real text (emoji, CJK): test_api_real_text.py.
+"""OpenAI API conformance of the real process tree, with the `openai` client and raw HTTP:
+sampling, stops, EOS, usage, tools and concurrency. The server is tests/eos_server.py's; logprobs,
+templates and the other endpoints: test_api_endpoints.py. Real text (emoji, CJK):
+test_api_real_text.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from tokenizers import Tokenizer
 
-from tests.server_util import Server
+from tests import eos_server
+from tests.eos_server import EOS_PROMPT, complete, greedy_ids, stream_completion
 from tools.soak_mix import WEATHER_TOOL
 
 pytestmark = pytest.mark.slow
 
-MAX_MODEL_LEN = 512
-EOS_PROMPT = "Hello world"
-EOS_INDEX = 3  # the greedy output's token at this index becomes an EOS
-
-
-def greedy_ids(model_dir: str, prompt_ids: list[int], count: int, **generate) -> list[int]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=count, do_sample=False, **generate
-        )
-    return out[0, len(prompt_ids) :].tolist()
-
-
-@pytest.fixture(scope="module")
-def eos_model(tiny_qwen3_dir, tmp_path_factory) -> tuple[str, int]:
-    """The tiny Qwen3 with an extra EOS that greedy decoding of EOS_PROMPT reaches."""
-    tokenizer = Tokenizer.from_file(os.path.join(tiny_qwen3_dir, "tokenizer.json"))
-    ids = greedy_ids(tiny_qwen3_dir, tokenizer.encode(EOS_PROMPT).ids, 8)
-    index = next(i for i in range(EOS_INDEX, len(ids)) if ids[i] not in ids[:i])
-    eos = ids[index]
-    out = tmp_path_factory.mktemp("tiny-qwen3-eos") / "tiny-qwen3-eos"
-    out.mkdir()
-    for name in os.listdir(tiny_qwen3_dir):
-        source = os.path.join(tiny_qwen3_dir, name)
-        if name == "generation_config.json":
-            continue
-        if name.endswith(".safetensors"):
-            os.symlink(source, out / name)
-        else:
-            shutil.copy(source, out / name)
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, eos]}))
-    return str(out), eos
-
-
-@pytest.fixture(scope="module")
-def server(eos_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("conformance") / "pegainfer.log"
-    srv = Server(
-        "--model-path", eos_model[0], "--kv-cache-memory", "64MiB",
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "64",
-        log_path=str(log),
-    ).wait_ready()  # fmt: skip
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
-    assert srv.leftovers() == []
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(eos_model) -> str:
-    return os.path.basename(eos_model[0])
-
-
-@pytest.fixture(scope="module")
-def tokenizer(eos_model) -> Tokenizer:
-    return Tokenizer.from_file(os.path.join(eos_model[0], "tokenizer.json"))
-
-
-def complete(server, **body) -> dict:
-    status, out = server.post("/v1/completions", body)
-    assert status == 200, out
-    return out
-
-
-def stream_completion(client, model, **kwargs) -> list:
-    return list(client.completions.create(model=model, stream=True, **kwargs))
+# The shared server's fixtures, bound here so that pytest finds them in this module.
+client = eos_server.client
+eos_model = eos_server.eos_model
+model = eos_server.model
+server = eos_server.server
+tokenizer = eos_server.tokenizer
 
 
 # -- determinism and arithmetic --------------------------------------------------------------
@@ -357,149 +285,6 @@ def test_max_completion_tokens_wins_over_max_tokens(client, model):
         extra_body={"ignore_eos": True},
     )
     assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
-
-
-# -- logprobs -------------------------------------------------------------------------------
-
-
-def test_completion_logprobs_shape_and_greedy_consistency(server):
-    out = complete(
-        server, prompt="Logprobs are", max_tokens=5, temperature=0, logprobs=3, ignore_eos=True
-    )
-    choice = out["choices"][0]
-    logprobs = choice["logprobs"]
-    n = out["usage"]["completion_tokens"]
-    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == n
-    assert len(logprobs["top_logprobs"]) == len(logprobs["text_offset"]) == n
-    assert "".join(logprobs["tokens"]) == choice["text"]
-    assert logprobs["text_offset"] == [
-        sum(len(t) for t in logprobs["tokens"][:i]) for i in range(n)
-    ]
-    for token, value, top in zip(
-        logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]
-    ):
-        assert 3 <= len(top) <= 4 and value <= 0
-        # Greedy: the chosen token is the most likely one.
-        assert value == pytest.approx(max(top.values()), abs=1e-5)
-        assert top[token] == pytest.approx(value, abs=1e-5)
-
-
-def test_echo_with_logprobs_covers_the_prompt(server, tokenizer):
-    prompt = "Echo this prompt back"
-    out = complete(server, prompt=prompt, max_tokens=2, temperature=0, logprobs=1, echo=True)
-    choice = out["choices"][0]
-    logprobs = choice["logprobs"]
-    num_prompt = len(tokenizer.encode(prompt).ids)
-    assert choice["text"].startswith(prompt)
-    assert len(logprobs["tokens"]) == num_prompt + out["usage"]["completion_tokens"]
-    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
-    assert "".join(logprobs["tokens"][:num_prompt]) == prompt
-    assert all(v is not None and v <= 0 for v in logprobs["token_logprobs"][1:])
-
-
-def test_chat_logprobs_and_top_logprobs(client, model):
-    kwargs = dict(
-        model=model,
-        messages=[{"role": "user", "content": "Hi"}],
-        max_tokens=4,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=2,
-        extra_body={"ignore_eos": True},
-    )
-    out = client.chat.completions.create(**kwargs)
-    content = out.choices[0].logprobs.content
-    assert len(content) == out.usage.completion_tokens == 4
-    assert "".join(entry.token for entry in content) == out.choices[0].message.content
-    for entry in content:
-        assert len(entry.top_logprobs) == 2
-        assert entry.top_logprobs[0].token == entry.token
-        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
-        assert bytes(entry.bytes).decode("utf-8", "backslashreplace") == entry.token
-    streamed = [
-        entry
-        for chunk in client.chat.completions.create(stream=True, **kwargs)
-        if chunk.choices and chunk.choices[0].logprobs
-        for entry in chunk.choices[0].logprobs.content
-    ]
-    assert [e.token for e in streamed] == [e.token for e in content]
-
-
-# -- chat templates, reasoning, endpoints ---------------------------------------------------
-
-
-def test_enable_thinking_changes_the_rendered_prompt(server, client, model):
-    messages = [{"role": "user", "content": "Think?"}]
-    counts = {}
-    for thinking in (True, False):
-        kwargs = {"enable_thinking": thinking}
-        status, tokenized = server.post(
-            "/tokenize", {"messages": messages, "chat_template_kwargs": kwargs}
-        )
-        assert status == 200
-        out = client.chat.completions.create(
-            model=model, messages=messages, max_tokens=1,
-            extra_body={"chat_template_kwargs": kwargs},
-        )  # fmt: skip
-        assert out.usage.prompt_tokens == tokenized["count"]
-        counts[thinking] = tokenized["count"]
-    # Qwen3's template closes an empty think block in the prompt when thinking is off.
-    assert counts[False] == counts[True] + 4
-
-
-def test_models_tokenize_detokenize_version(server, model):
-    status, body = server.get(f"/v1/models/{model}")
-    assert status == 200 and body["id"] == model and body["max_model_len"] == MAX_MODEL_LEN
-    status, body = server.get("/v1/models/not-this-one")
-    assert status == 404 and body["error"]["code"] == "model_not_found"
-    status, body = server.post("/tokenize", {"prompt": "Hello 世界"})
-    assert status == 200 and body["count"] == len(body["tokens"])
-    status, back = server.post("/detokenize", {"tokens": body["tokens"]})
-    assert status == 200 and back["prompt"] == "Hello 世界"
-    status, body = server.get("/version")
-    assert status == 200 and body["version"]
-
-
-def test_metrics_count_what_was_served(server):
-    import urllib.request
-
-    def scrape() -> dict[str, float]:
-        with urllib.request.urlopen(server.url("/metrics"), timeout=10) as resp:
-            assert resp.headers["Content-Type"].startswith("text/plain")
-            text = resp.read().decode()
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
-
-    before = scrape()
-    complete(server, prompt="metrics", max_tokens=3, temperature=0, ignore_eos=True)
-    import time
-
-    time.sleep(0.6)  # the scheduler publishes its counters a few times a second
-    after = scrape()
-    label = "{" + next(k for k in after if k.startswith("pegainfer:healthy")).split("{")[1]
-
-    def delta(name: str) -> float:
-        return after[name + label] - before.get(name + label, 0.0)
-
-    assert delta("pegainfer:generation_tokens_total") >= 3
-    assert delta("pegainfer:time_to_first_token_seconds_count") == 1
-    assert delta("pegainfer:e2e_request_latency_seconds_count") == 1
-    assert delta("pegainfer:inter_token_latency_seconds_count") == 2
-    assert delta("pegainfer:request_queue_time_seconds_count") == 1
-    assert after["pegainfer:num_requests_running" + label] == 0
-    for name in (
-        "pegainfer:num_requests_waiting",
-        "pegainfer:kv_cache_usage_perc",
-        "pegainfer:prefix_cache_queries_total",
-        "pegainfer:prefix_cache_hits_total",
-        "pegainfer:num_preemptions_total",
-        "pegainfer:prompt_tokens_total",
-    ):
-        assert name + label in after, name
 
 
 def test_many_concurrent_streams_all_finish(client, model):
