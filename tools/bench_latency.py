@@ -22,7 +22,7 @@ model's.
 from __future__ import annotations
 
 import argparse
-import gc
+import functools
 import random
 import statistics
 import time
@@ -46,6 +46,7 @@ from tools.bench_model import (
     load_model_shape,
     prefill_roofline_s,
 )
+from tools.latency_profile import profile_decode_steps
 from tools.step_ablation import parse_parts, without
 
 BLOCK_SIZE = 16
@@ -236,59 +237,6 @@ def run_context(
     }
 
 
-def profile_decode(
-    runner: Any,
-    context: int,
-    args: argparse.Namespace,
-    in_flight: int,
-    seq_id: int,
-    shape: ModelShape,
-    roof: Roofline,
-) -> str:
-    """A torch profiler summary of decode steps: the busiest ops, and on CUDA the step's GPU
-    time per part beside each part's floor."""
-    import os
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from tools.step_profile import summarize_profile
-
-    activities = [ProfilerActivity.CPU]
-    if runner.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    prof = profile(activities=activities)
-    # The profiler's events are millions of tracked objects: with the collector on, full
-    # collections walking them grow to most of a second and fall inside profiled steps.
-    gc.disable()
-    try:
-        run_context(runner, context, args.steps, args.warmup_steps, seq_id, 0, in_flight, prof)
-    finally:
-        gc.enable()
-    averages = prof.key_averages()
-    sort_key = "self_device_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
-    try:
-        table = averages.table(sort_by=sort_key, row_limit=25, max_name_column_width=70)
-    except (AttributeError, KeyError):
-        table = averages.table(sort_by="self_cuda_time_total", row_limit=25)
-    steps = args.steps + args.warmup_steps
-    text = f"profile of {steps} decode steps at context {context}, {in_flight} in flight:\n{table}"
-    if runner.device.type == "cuda":
-        _, parts = summarize_profile(
-            prof,
-            steps,
-            shape,
-            roof,
-            [context + steps // 2],
-            f"where a batch-1 decode step's GPU time goes, context {context}, {steps} steps",
-        )
-        text += "\n\n" + parts
-    print("\n" + text, flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "latency_profile.txt"), "w") as f:
-        f.write(text + "\n")
-    return text
-
-
 def summarize_context(raw: dict[str, Any], shape: ModelShape, roof: Roofline) -> dict[str, Any]:
     times = raw["step_s"]
     mean_s = statistics.fmean(times)
@@ -380,8 +328,25 @@ def run(
         rows.append(summarize_context(raw, shape, roof))
     profile_text = None
     if args.profile:
-        profile_text = profile_decode(
-            runner, contexts[0], args, in_flight, len(contexts), shape, roof
+        seq_id = len(contexts)
+        profile_text = profile_decode_steps(
+            functools.partial(
+                run_context,
+                runner,
+                contexts[0],
+                args.steps,
+                args.warmup_steps,
+                seq_id,
+                0,
+                in_flight,
+            ),  # fmt: skip
+            runner.device.type,
+            contexts[0],
+            args.steps + args.warmup_steps,
+            in_flight,
+            shape,
+            roof,
+            args.out,
         )
     del runner
     if device.type == "cuda":
