@@ -199,7 +199,8 @@ def test_the_fused_gate_up_reads_two_tiles_early_in_programs_of_two_features(mon
     monkeypatch.delenv("PEGAINFER_LINEAR_TILES", raising=False)
     assert gate_up_prefetch_tiles(2560, 512) == GATE_UP_PREFETCH_TILES == 2
     assert gate_up_prefetch_tiles(300, 512) == 1  # all of K in one tile
-    assert gate_up_prefetch_tiles(4096, 1024) == 0  # Qwen3-8B and larger: not measured
+    assert gate_up_prefetch_tiles(4096, 1024) == 2  # Qwen3-8B and larger: half of K
+    assert gate_up_prefetch_tiles(1024, 1024) == 1
     assert fused_gate_up_block_n(1, 19456, 2560, prefetching=True) == 2
     assert fused_gate_up_block_n(1, 19456, 2560, prefetching=False) == 1
     assert fused_gate_up_block_n(4, 19456, 2560, prefetching=True) == 4
@@ -207,8 +208,8 @@ def test_the_fused_gate_up_reads_two_tiles_early_in_programs_of_two_features(mon
     assert fused_gate_up_block_n(1, 19456, 2560, prefetching=True) == 1  # set by hand
     monkeypatch.setenv("PEGAINFER_GATE_UP_PREFETCH_TILES", "0")
     assert gate_up_prefetch_tiles(2560, 512) == 0
-    monkeypatch.setenv("PEGAINFER_GATE_UP_PREFETCH_TILES", "2")
-    assert gate_up_prefetch_tiles(4096, 1024) == 2
+    monkeypatch.setenv("PEGAINFER_GATE_UP_PREFETCH_TILES", "1")
+    assert gate_up_prefetch_tiles(4096, 1024) == 1
     monkeypatch.setenv("PEGAINFER_GATE_UP_PREFETCH_TILES", "7")
     assert gate_up_prefetch_tiles(2560, 512) == MAX_PREFETCH_TILES
 
