@@ -312,6 +312,25 @@ def gate_up_prefetch_tiles(k: int, block_k: int) -> int:
     return max(0, min(tiles, MAX_PREFETCH_TILES, cdiv(k, block_k)))
 
 
+# The fused gate/up GEMV of two rows (``linear_silu_and_mul_rows``) reads two tiles before its
+# wait where its K tiles are 512 wide (hidden sizes below 4,096), none where they are 1,024.
+# On an H100, in process (bench_throughput --engine inprocess --batches 1,2 --output-len 64,
+# two alternated rounds), steps of two Qwen3-4B sequences took 3.40 ms with two tiles against
+# 3.43 with one and 3.46 with none (4,864 programs of 80 / 64 / 48 registers, 12 / 16 / 21 a
+# SM); two of Qwen3-8B (4-warp programs of one feature, 1,024-wide tiles) 5.88 with two and
+# 5.89-5.90 with one against 5.85-5.86 with none.
+# ``PEGAINFER_ROWS_GATE_UP_PREFETCH_TILES`` replaces it at every size.
+ROWS_GATE_UP_PREFETCH_TILES = 2
+ROWS_GATE_UP_PREFETCH_MAX_BLOCK_K = 512
+
+
+def rows_gate_up_prefetch_tiles(k: int, block_k: int) -> int:
+    """Weight tiles of the fused gate/up GEMV of two rows read before its wait."""
+    rule = ROWS_GATE_UP_PREFETCH_TILES if block_k <= ROWS_GATE_UP_PREFETCH_MAX_BLOCK_K else 0
+    tiles = int(os.environ.get("PEGAINFER_ROWS_GATE_UP_PREFETCH_TILES", rule))
+    return max(0, min(tiles, MAX_PREFETCH_TILES, cdiv(k, block_k)))
+
+
 def fused_gate_up_block_n(rule_block_n: int, n: int, k: int, prefetching: bool) -> int:
     """Features a program of the one-row fused gate/up GEMV of an ``N x K`` ``[gate | up]``
     weight: two where the rule gives one and the program reads tiles before its wait, unless

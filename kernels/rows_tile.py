@@ -1,5 +1,5 @@
 """The K step of a GEMV that keeps several rows in each program (kernels/gemv.py,
-kernels/linear_fused.py).
+kernels/linear_fused_rows.py).
 
 The weight tile ``[1, features, K]`` and the activation tile ``[rows, 1, K]`` are loaded as
 3D tensors, so both take the layout of their broadcast product: threads and warps along K,

@@ -13,10 +13,9 @@ from kernels.linear_fused import (
     fusion_enabled,
     linear_silu_and_mul,
     linear_silu_and_mul_ref,
-    linear_silu_and_mul_rows,
     linear_silu_and_mul_triton,
-    rows_fusion_config,
 )
+from kernels.linear_fused_rows import linear_silu_and_mul_rows, rows_fusion_config
 from kernels.pending_norm import PendingNorm
 
 pytestmark = requires_triton
@@ -108,13 +107,15 @@ def _truncated_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows,config", ROW_TILES)
-def test_rows_silu_and_mul_matches_reference(dtype, n, k, rows, config):
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_rows_silu_and_mul_matches_reference(dtype, n, k, rows, config, prefetch):
     g = gen(n + k + rows)
     x = randn(rows, k, g=g, dtype=dtype)
     weight = randn(2 * n, k, g=g, dtype=dtype, scale=k**-0.5)
     with poisoned():
-        out = linear_silu_and_mul_rows(x, weight, config)
-    check(out, _truncated_reference(x, weight), f"{rows} rows n={n} k={k} {config}")
+        out = linear_silu_and_mul_rows(x, weight, config, prefetch_tiles=prefetch)
+    label = f"{rows} rows n={n} k={k} {config} prefetch={prefetch}"
+    check(out, _truncated_reference(x, weight), label)
 
 
 def test_rows_silu_and_mul_applies_a_pending_norm():

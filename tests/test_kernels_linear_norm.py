@@ -28,6 +28,7 @@ from kernels.linear_configs import (
     GEMV_PREFETCH_TILES,
     GEMV_STREAM_PREFETCH_TILES,
     MAX_PREFETCH_TILES,
+    ROWS_GATE_UP_PREFETCH_TILES,
     ROWS_GEMV_PREFETCH_TILES,
     SKINNY_PREFETCH_TILES,
     SKINNY_STREAM_PREFETCH_TILES,
@@ -36,6 +37,7 @@ from kernels.linear_configs import (
     pick_config,
     prefetch_tiles,
     prefetching_gemv_config,
+    rows_gate_up_prefetch_tiles,
 )
 from kernels.linear_fused import linear_silu_and_mul_ref, linear_silu_and_mul_triton
 from kernels.linear_norm import fused_rows_limit, linear_add_rms_norm, linear_add_rms_norm_ref
@@ -212,6 +214,17 @@ def test_the_fused_gate_up_reads_two_tiles_early_in_programs_of_two_features(mon
     assert gate_up_prefetch_tiles(4096, 1024) == 1
     monkeypatch.setenv("PEGAINFER_GATE_UP_PREFETCH_TILES", "7")
     assert gate_up_prefetch_tiles(2560, 512) == MAX_PREFETCH_TILES
+
+
+def test_the_two_row_fused_gate_up_reads_two_tiles_early_below_1024_wide_tiles(monkeypatch):
+    monkeypatch.delenv("PEGAINFER_ROWS_GATE_UP_PREFETCH_TILES", raising=False)
+    assert rows_gate_up_prefetch_tiles(2560, 512) == ROWS_GATE_UP_PREFETCH_TILES == 2
+    assert rows_gate_up_prefetch_tiles(300, 512) == 1  # all of K in one tile
+    assert rows_gate_up_prefetch_tiles(4096, 1024) == 0  # Qwen3-8B and larger: slower
+    monkeypatch.setenv("PEGAINFER_ROWS_GATE_UP_PREFETCH_TILES", "0")
+    assert rows_gate_up_prefetch_tiles(2560, 512) == 0
+    monkeypatch.setenv("PEGAINFER_ROWS_GATE_UP_PREFETCH_TILES", "9")
+    assert rows_gate_up_prefetch_tiles(4096, 1024) == MAX_PREFETCH_TILES
 
 
 @pytest.mark.parametrize("tiles", ["1", "2"])

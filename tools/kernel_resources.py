@@ -82,7 +82,14 @@ def caught_launches() -> Iterator[list[Launch]]:
     # By module name: the package re-exports functions under some of these names.
     modules = [
         importlib.import_module(f"kernels.{name}")
-        for name in ("decode_attention", "gemv", "linear_fused", "rotary", "skinny_gemm")
+        for name in (
+            "decode_attention",
+            "gemv",
+            "linear_fused",
+            "linear_fused_rows",
+            "rotary",
+            "skinny_gemm",
+        )
     ]
     saved = [(module, module.use_pdl) for module in modules]
     original_run = JITFunction.run
@@ -197,11 +204,8 @@ def decode_step_launches(
         linear_triton,
     )
     from kernels.linear_configs import pick_config, skinny_config
-    from kernels.linear_fused import (
-        linear_silu_and_mul_rows,
-        linear_silu_and_mul_triton,
-        rows_fusion_tile,
-    )
+    from kernels.linear_fused import linear_silu_and_mul_triton
+    from kernels.linear_fused_rows import linear_silu_and_mul_rows, rows_fusion_tile
     from kernels.pending_norm import PendingNorm
     from kernels.rotary import rotary_and_store_kv_triton
     from kernels.skinny_gemm import skinny_gemm_with
