@@ -11,7 +11,6 @@ import json
 import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
-from test_frontend_app import MODEL, FakeEngine, config, delta
 from test_tokenizer_proc import VOCAB, preprocessor, request  # noqa: F401 - a fixture
 
 from frontend_proc.app import create_app
@@ -22,6 +21,7 @@ from frontend_proc.schemas import parse_chat_request, parse_completion_request
 from frontend_proc.serving_common import ServingContext
 from frontend_proc.serving_completions import checked_id_prompt
 from pegainfer.protocol import RequestRejected, SamplingParams, pack_ids, unpack_ids
+from tests.fake_engine import MODEL, FakeEngine, config, delta
 from worker_proc.logit_edits import keep_only_edits
 from worker_proc.sampler import Sampler
 from worker_proc.upload import Uploader

@@ -20,8 +20,8 @@ from pegainfer.protocol import (
     pack_floats,
     pack_ids,
 )
+from tests.fake_engine import MODEL, FakeEngine, assert_error, config, sse_events
 from tests.test_detokenizer import qwen_tokenizer_path
-from tests.test_frontend_app import MODEL, FakeEngine, assert_error, config, sse_events
 
 KEYS = ["key-one", "key-two"]
 

@@ -20,7 +20,6 @@ import pytest
 from aiohttp import web
 from aiohttp.http_writer import StreamWriter as HttpStreamWriter
 from aiohttp.test_utils import make_mocked_request
-from test_frontend_app import BOOM, HANG, FakeEngine
 
 from frontend_proc.engine_client import EngineClient
 from frontend_proc.errors import APIError
@@ -34,6 +33,7 @@ from pegainfer.protocol import (
     TokenizedRequest,
     pack_ids,
 )
+from tests.fake_engine import BOOM, HANG, FakeEngine
 
 
 def delta(request_id: str, text: str, finish: str | None = None) -> TextDelta:

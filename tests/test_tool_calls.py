@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_chat_template import QWEN_DIR, needs_qwen
-from test_frontend_app import MODEL, FakeEngine, delta, run_with_client
 from test_tokenizer_proc import preprocessor, request  # noqa: F401 - a fixture
 
 from frontend_proc.chat_template import ChatTemplate
 from frontend_proc.preprocess import Preprocessor, handle
 from frontend_proc.tool_calls import ToolCallParser, finish_reason, split_tool_calls
 from pegainfer.protocol import RequestRejected
+from tests.fake_engine import MODEL, FakeEngine, delta, run_with_client
 from tools.soak_mix import WEATHER_TOOL
 
 CALL_PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
