@@ -8,7 +8,9 @@ import asyncio
 from collections.abc import Callable
 
 import aiohttp
+import pytest
 
+from frontend_proc import jsonutil
 from pegainfer.protocol import RequestRejected
 from tests.fake_engine import (
     BOOM,
@@ -57,6 +59,50 @@ def test_errors_are_openai_bodies():
         assert_error(await resp.json(), param="messages")
 
     run_with_client(FakeEngine(), body)
+
+
+@pytest.mark.parametrize("parser", ["installed", "json"])
+def test_lone_surrogates_and_deep_nesting_are_a_400_and_pairs_are_text(parser, monkeypatch):
+    if parser == "json":
+        monkeypatch.setattr(jsonutil, "orjson", None)
+    engine = FakeEngine()
+
+    async def body(client):
+        for raw in (
+            b'{"prompt": "Hi \\ud800", "max_tokens": 3}',
+            b'{"prompt": "\\udc00", "max_tokens": 3}',
+            b'{"prompt": "Hi", "stop": ["\\ud83d"], "max_tokens": 3}',
+            b'{"prompt": "Hi \xed\xa0\x80", "max_tokens": 3}',  # an encoded surrogate
+        ):
+            resp = await client.post("/v1/completions", data=raw)
+            assert resp.status == 400, raw
+            assert_error(await resp.json(), "invalid_request_error")
+        deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b', "max_tokens": 3}'
+        resp = await client.post("/v1/completions", data=deep)
+        assert resp.status == 400
+        assert_error(await resp.json(), "invalid_request_error")
+        chat = b'{"messages": [{"role": "user", "content": "x\\ud800y"}]}'
+        resp = await client.post("/v1/chat/completions", data=chat)
+        assert resp.status == 400
+        assert_error(await resp.json(), "invalid_request_error")
+        assert not engine.requests
+        # A surrogate pair is one character (U+1F600), and the request goes through.
+        emoji = b'{"prompt": "Hi \\ud83d\\ude00", "max_tokens": 3}'
+        resp = await client.post("/v1/completions", data=emoji)
+        assert resp.status == 200
+        assert engine.requests[-1].prompt == "Hi \U0001f600"
+
+    run_with_client(engine, body)
+
+
+def test_json_fallback_names_where_the_lone_surrogate_is(monkeypatch):
+    monkeypatch.setattr(jsonutil, "orjson", None)
+    with pytest.raises(ValueError, match=r"at messages\[1\]\.content .*U\+D800"):
+        jsonutil.loads(b'{"messages": [{"content": "ok"}, {"content": "a\\ud800"}]}')
+    with pytest.raises(ValueError, match="lone surrogate"):
+        jsonutil.loads('{"\\udfff": 1}')  # a key, and a str body
+    assert jsonutil.loads(b'{"a": "\\\\ud800"}') == {"a": "\\ud800"}  # an escaped backslash
+    assert jsonutil.loads(b'[1, "\\u00e9"]') == [1, "\u00e9"]
 
 
 def rejection(request_id: str) -> RequestRejected:
