@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from frontend_proc import jsonutil
 from frontend_proc.errors import invalid
 from pegainfer.protocol import StructuredOutput
 
@@ -178,8 +179,8 @@ def _json_object(value: Any, what: str, param: str) -> dict[str, Any]:
     """``value``, an object or the JSON text of one."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
+            value = jsonutil.loads(value)  # the body's own rules: no lone surrogates, bounded depth
+        except ValueError as exc:
             raise invalid(f"the {what} in '{param}' is not JSON: {exc}", param) from None
     if not isinstance(value, dict):
         raise invalid(f"the {what} in '{param}' must be an object", param)

@@ -82,6 +82,8 @@ def test_each_way_of_asking_gives_its_constraint(body, expected) -> None:
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
         ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
         ({"structured_outputs": {"json": [1]}}, "structured_outputs"),
+        ({"guided_json": "[" * 100_000 + "]" * 100_000}, "guided_json"),
+        ({"guided_json": '{"enum": ["\\ud800"]}'}, "guided_json"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs"),
