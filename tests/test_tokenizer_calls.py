@@ -4,16 +4,11 @@ functions, then over the real process's sockets, next to generation requests."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-
-import zmq
 
 from frontend_proc.chat_template import ChatTemplate
 from frontend_proc.preprocess import Preprocessor
 from frontend_proc.tokenizer_calls import answer
 from pegainfer import ipc
-from pegainfer.config import EngineConfig, ModelInfo
 from pegainfer.protocol import (
     DetokenizeRequest,
     DetokenizeResult,
@@ -27,7 +22,13 @@ from pegainfer.protocol import (
     pack_ids,
     unpack_ids,
 )
-from tests.test_tokenizer_proc import VOCAB, WORDS, tiny_tokenizer, write_model_dir
+from tests.test_tokenizer_proc import (
+    VOCAB,
+    WORDS,
+    running_tokenizer,
+    tiny_tokenizer,
+    write_model_dir,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,33 +99,9 @@ def test_a_failing_tokenizer_costs_one_call(tmp_path):
 
 
 def test_tokenizer_process_answers_calls_to_the_frontend(tmp_path):
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    write_model_dir(model_dir)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir(mode=0o700)
-    config = EngineConfig(
-        model_path=str(model_dir),
-        served_model_name="tiny",
-        max_model_len=16,
-        run_dir=str(run_dir),
-        log_level="warning",
-        model=ModelInfo("LlamaForCausalLM", len(WORDS), 16, [2], 1, 1, 1, 8, 8),
-    )
-    config.save(str(run_dir))
-    ctx = zmq.Context()
-    launcher = ipc.bind(ctx, zmq.PULL, str(run_dir), "launcher")
-    to_tokenizers = ipc.bind(ctx, zmq.PUSH, str(run_dir), "tokenizer")
-    scheduler = ipc.bind(ctx, zmq.PULL, str(run_dir), "scheduler")
-    frontend = ipc.bind(ctx, zmq.PULL, str(run_dir), "frontend")
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
-    env.pop("PEGAINFER_PARENT_PID", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "frontend_proc.tokenizer_proc", "--run-dir", str(run_dir)],
-        env=env,
-        cwd=REPO_ROOT,
-    )
-    try:
+    with running_tokenizer(tmp_path) as tokenizer:
+        proc, launcher, to_tokenizers = tokenizer.proc, tokenizer.launcher, tokenizer.to_tokenizers
+        scheduler, frontend = tokenizer.scheduler, tokenizer.frontend
         ready = ipc.recv(launcher, (ProcessReady,), "launcher", timeout_ms=30_000)
         assert isinstance(ready, ProcessReady) and ready.info["reasoning"] is False
         ipc.send(to_tokenizers, tokenize_call("tok", prompt="hello world"))
@@ -146,7 +123,3 @@ def test_tokenizer_process_answers_calls_to_the_frontend(tmp_path):
         accepted = ipc.recv(scheduler, (TokenizedRequest,), "scheduler", timeout_ms=10_000)
         assert accepted.request_id == "gen"  # generation still goes to the scheduler
         assert not frontend.poll(100) and proc.poll() is None
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        ctx.destroy(linger=0)

@@ -3,11 +3,14 @@ its sockets (garbage in, the right message out, and it keeps going)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import zmq
@@ -250,7 +253,21 @@ def test_qwen3_chat_tokens():
 # --- the real process over its sockets -----------------------------------------------------
 
 
-def test_tokenizer_process_end_to_end(tmp_path):
+@dataclass
+class TokenizerProcess:
+    """A tokenizer process over a tiny model, and the sockets of the processes it talks to."""
+
+    proc: subprocess.Popen
+    launcher: zmq.Socket
+    to_tokenizers: zmq.Socket
+    scheduler: zmq.Socket
+    frontend: zmq.Socket
+
+
+@contextlib.contextmanager
+def running_tokenizer(tmp_path, *args: str) -> Iterator[TokenizerProcess]:
+    """Start ``python -m frontend_proc.tokenizer_proc --run-dir ... *args`` on a tiny model
+    with bound launcher, tokenizer, scheduler and frontend sockets; stop it on the way out."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     write_model_dir(model_dir)
@@ -266,26 +283,28 @@ def test_tokenizer_process_end_to_end(tmp_path):
     )
     config.save(str(run_dir))
     ctx = zmq.Context()
-    launcher = ipc.bind(ctx, zmq.PULL, str(run_dir), "launcher")
-    to_tokenizers = ipc.bind(ctx, zmq.PUSH, str(run_dir), "tokenizer")
-    scheduler = ipc.bind(ctx, zmq.PULL, str(run_dir), "scheduler")
-    frontend = ipc.bind(ctx, zmq.PULL, str(run_dir), "frontend")
+    sockets = [
+        ipc.bind(ctx, zmq.PULL, str(run_dir), "launcher"),
+        ipc.bind(ctx, zmq.PUSH, str(run_dir), "tokenizer"),
+        ipc.bind(ctx, zmq.PULL, str(run_dir), "scheduler"),
+        ipc.bind(ctx, zmq.PULL, str(run_dir), "frontend"),
+    ]
     env = {**os.environ, "PYTHONPATH": REPO_ROOT}
     env.pop("PEGAINFER_PARENT_PID", None)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "frontend_proc.tokenizer_proc",
-            "--run-dir",
-            str(run_dir),
-            "--index",
-            "3",
-        ],
-        env=env,
-        cwd=REPO_ROOT,
-    )
+    module = [sys.executable, "-m", "frontend_proc.tokenizer_proc", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen([*module, *args], env=env, cwd=REPO_ROOT)
     try:
+        yield TokenizerProcess(proc, *sockets)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        ctx.destroy(linger=0)
+
+
+def test_tokenizer_process_end_to_end(tmp_path):
+    with running_tokenizer(tmp_path, "--index", "3") as tokenizer:
+        proc, launcher, to_tokenizers = tokenizer.proc, tokenizer.launcher, tokenizer.to_tokenizers
+        scheduler, frontend = tokenizer.scheduler, tokenizer.frontend
         ready = ipc.recv(launcher, (ProcessReady,), "launcher", timeout_ms=30_000)
         assert isinstance(ready, ProcessReady) and ready.name == "tokenizer-3"
         assert ready.pid == proc.pid
@@ -304,7 +323,3 @@ def test_tokenizer_process_end_to_end(tmp_path):
         prompt = unpack_ids(accepted.prompt_token_ids)
         assert len(prompt) == 5 and accepted.sampling.max_tokens == 16 - 5
         assert proc.poll() is None
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        ctx.destroy(linger=0)
