@@ -4,7 +4,9 @@ The engine sends, per delta, a ``TokenLogprobs`` record with each token's exact 
 by the detokenizer). A token's text is its bytes as UTF-8, or escaped (``\\xe4``) when they
 are only part of a character, as OpenAI shows them. Completions use the legacy shape
 (``tokens``, ``token_logprobs``, ``top_logprobs`` as maps, ``text_offset``); chat uses
-``content: [{token, logprob, bytes, top_logprobs: [...]}]``.
+``content: [{token, logprob, bytes, top_logprobs: [...]}]``. vLLM's ``prompt_logprobs`` field
+is a list by prompt position (None for the first token), each a map from token id to
+``{logprob, rank, decoded_token}``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class TokenEntry:
     data: bytes
     logprob: float | None
     top: list[tuple[int, bytes, float]] = field(default_factory=list)
+    rank: int | None = None  # in the vocabulary, 1 the likeliest; None if not sent
 
     @property
     def text(self) -> str:
@@ -53,6 +56,7 @@ def entries(record: TokenLogprobs | None) -> list[TokenEntry]:
         values = unpack_floats(record.logprobs)
         top_ids = unpack_ids(record.top_ids)
         top_values = unpack_floats(record.top_logprobs)
+        ranks = unpack_ids(record.ranks)
     except ProtocolError:
         return []
     n, k = len(ids), max(record.num_top, 0)
@@ -61,6 +65,8 @@ def entries(record: TokenLogprobs | None) -> list[TokenEntry]:
         return []
     if len(data) != n + n * k:
         data = [b""] * (n + n * k)
+    if len(ranks) != n:
+        ranks = [None] * n
     result = []
     for i in range(n):
         value = values[i]
@@ -72,7 +78,7 @@ def entries(record: TokenLogprobs | None) -> list[TokenEntry]:
             for j in range(k)
             if top_ids[i * k + j] >= 0
         ]
-        result.append(TokenEntry(ids[i], data[i], _finite(value), top))
+        result.append(TokenEntry(ids[i], data[i], _finite(value), top, ranks[i]))
     return result
 
 
@@ -151,3 +157,28 @@ def chat_logprobs(
             }
         )
     return {"content": content}
+
+
+def prompt_logprobs_field(tokens: list[TokenEntry], num_top: int) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: for each prompt token, a map from token id to its logprob,
+    rank and text, the prompt's own token first and then the ``num_top`` likeliest; the
+    first prompt token, which nothing predicts, is None."""
+    result: list[Any] = []
+    for entry in tokens:
+        if entry.logprob is None:
+            result.append(None)
+            continue
+        by_id = {
+            str(entry.token_id): {
+                "logprob": entry.logprob,
+                "rank": entry.rank,
+                "decoded_token": entry.text,
+            }
+        }
+        for rank, (token_id, data, value) in enumerate(entry.top[:num_top], start=1):
+            by_id.setdefault(
+                str(token_id),
+                {"logprob": value, "rank": rank, "decoded_token": token_text(data)},
+            )
+        result.append(by_id)
+    return result

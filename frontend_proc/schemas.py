@@ -61,6 +61,7 @@ class CommonOptions:
     user: str | None
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool = False
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -77,6 +78,7 @@ class CompletionRequest:
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top ones
 
 
 @dataclass
@@ -101,6 +103,7 @@ class ChatCompletionRequest:
     truncate_prompt_tokens: int | None = None
     include_reasoning: bool = True  # false: no reasoning_content, the reasoning dropped
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top ones
 
 
 def require_object(body: Any) -> dict[str, Any]:
@@ -169,6 +172,8 @@ def _common(
                 "'stream_options' is only allowed when 'stream' is true", "stream_options"
             )
         include_usage = get_bool(stream_options, "include_usage", False)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    sampling.prompt_logprobs = prompt_logprobs
     return CommonOptions(
         model=model,
         sampling=sampling,
@@ -178,7 +183,25 @@ def _common(
         user=get_str(body, "user", None),
         truncate_prompt_tokens=extras.truncate_prompt_tokens,
         return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", False),
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
+    """vLLM's ``prompt_logprobs``: the top count per prompt token, or None. A stream has no
+    place for them, so there only 0 is accepted, as vLLM accepts it, and it asks nothing."""
+    if body.get("prompt_logprobs") == -1:
+        raise invalid(
+            f"'prompt_logprobs' -1 (the whole vocabulary) is not supported; "
+            f"ask for at most {MAX_LOGPROBS}",
+            "prompt_logprobs",
+        )
+    value = get_int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if value is None or not stream:
+        return value
+    if value > 0:
+        raise invalid("'prompt_logprobs' is not available when 'stream' is true", "prompt_logprobs")
+    return None
 
 
 def parse_completion_request(
@@ -201,7 +224,7 @@ def parse_completion_request(
     if echo and common.truncate_prompt_tokens is not None:
         raise invalid("'echo' cannot be combined with 'truncate_prompt_tokens'", "echo")
     if echo and logprobs is not None:
-        common.sampling.prompt_logprobs = logprobs
+        common.sampling.prompt_logprobs = max(logprobs, common.prompt_logprobs or 0)
     return CompletionRequest(
         model=common.model,
         prompts=prompts,
@@ -215,6 +238,7 @@ def parse_completion_request(
         return_token_ids=get_bool(body, "return_token_ids", False),
         truncate_prompt_tokens=common.truncate_prompt_tokens,
         return_tokens_as_token_ids=common.return_tokens_as_token_ids,
+        prompt_logprobs=common.prompt_logprobs,
     )
 
 
@@ -280,4 +304,5 @@ def parse_chat_request(
         truncate_prompt_tokens=common.truncate_prompt_tokens,
         include_reasoning=get_bool(body, "include_reasoning", True),
         return_tokens_as_token_ids=common.return_tokens_as_token_ids,
+        prompt_logprobs=common.prompt_logprobs,
     )

@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from frontend_proc.fanout import FanOut
-from frontend_proc.logprobs import chat_logprobs
+from frontend_proc.logprobs import chat_logprobs, prompt_logprobs_field
 from frontend_proc.reasoning import ReasoningParser, split_reasoning
 from frontend_proc.schemas import ChatCompletionRequest, parse_chat_request
 from frontend_proc.serving_common import (
@@ -101,16 +101,20 @@ async def create_chat_completion(
             }
             for index, state in enumerate(states)
         ]
-        return json_response(
-            {
-                "id": request_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": request.model,
-                "choices": choices,
-                "usage": usage(states, request.n),
-            }
-        )
+        body = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": request.model,
+            "choices": choices,
+            "usage": usage(states, request.n),
+        }
+        if request.prompt_logprobs is not None:
+            # Every choice has the same prompt: the response carries its logprobs once.
+            body["prompt_logprobs"] = prompt_logprobs_field(
+                states[0].prompt_logprobs.ordered(), request.prompt_logprobs
+            )
+        return json_response(body)
 
     header = {
         "id": request_id,

@@ -12,7 +12,12 @@ from frontend_proc.engine_extras import truncate_prompt
 from frontend_proc.fanout import FanOut
 from frontend_proc.fields import check_sampling_token_ids, check_token_ids
 from frontend_proc.limits import resolve_max_tokens
-from frontend_proc.logprobs import TokenEntry, completion_logprobs, entries
+from frontend_proc.logprobs import (
+    TokenEntry,
+    completion_logprobs,
+    entries,
+    prompt_logprobs_field,
+)
 from frontend_proc.schemas import CompletionRequest, parse_completion_request
 from frontend_proc.serving_common import (
     ChoiceState,
@@ -152,6 +157,11 @@ async def create_completion(
             # An extension: the generated token ids of each choice, for exact comparisons.
             for choice, state in zip(choices, states):
                 choice["token_ids"] = state.token_ids
+        if request.prompt_logprobs is not None:
+            for choice, state in zip(choices, states):
+                choice["prompt_logprobs"] = prompt_logprobs_field(
+                    state.prompt_logprobs.ordered(), request.prompt_logprobs
+                )
         return json_response({**header, "choices": choices, "usage": usage(states, request.n)})
 
     usage_field = {"usage": None} if request.include_usage else {}

@@ -49,7 +49,7 @@ _COMMON_FIELDS = (
             "stop_token_ids stop include_stop_str_in_output presence_penalty frequency_penalty "
             "repetition_penalty skip_special_tokens logit_bias n stream stream_options user "
             "allowed_token_ids truncate_prompt_tokens cache_salt bad_words priority "
-            "return_tokens_as_token_ids"
+            "return_tokens_as_token_ids prompt_logprobs"
         ).split()
     )
     | STRUCTURED_FIELDS

@@ -150,7 +150,7 @@ class SeqOutput:
     # tokens, logprobs): the detokenizer learns them from here, in order with the tokens.
     sampling: SamplingParams | None = None
     logprobs: TokenLogprobs | None = None  # of new_token_ids, when the request asked
-    prompt_logprobs: TokenLogprobs | None = None  # a span of the prompt, for echo
+    prompt_logprobs: TokenLogprobs | None = None  # a span of the prompt
     # Seconds from arrival to the first admission, on the request's first output.
     queue_time: float | None = None
 
@@ -193,6 +193,7 @@ class TokenLogprobs:
     top_ids: bytes  # packed int32 [n * num_top]
     top_logprobs: bytes  # packed float32 [n * num_top]
     token_bytes: list[bytes] = field(default_factory=list)
+    ranks: bytes = b""  # packed int32 [n]: each token's rank in the vocabulary, 1 the likeliest
 
 
 # ---------------------------------------------------------------------------

@@ -84,6 +84,80 @@ def test_chat_logprobs_and_top_logprobs(client, model):
     assert [e.token for e in streamed] == [e.token for e in content]
 
 
+def _reference_logprobs(model_dir: str, ids: list[int]):
+    """log_softmax of transformers' float32 forward over ``ids``: row t predicts token t + 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(reference(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def _check_prompt_logprobs(got: list, ids: list[int], reference, num_top: int) -> None:
+    assert len(got) == len(ids) and got[0] is None
+    for position in range(1, len(ids)):
+        row, token = reference[position - 1], ids[position]
+        entry = got[position]
+        own = entry[str(token)]
+        assert list(entry)[0] == str(token), "the prompt's own token comes first"
+        assert own["logprob"] == pytest.approx(float(row[token]), abs=1e-3)
+        # Both forwards run in float32 and agree to about 4e-6: a rank may only move among
+        # the tokens that close to this one.
+        likelier = int((row > row[token] + 1e-5).sum())
+        assert likelier + 1 <= own["rank"] <= int((row > row[token] - 1e-5).sum())
+        top = [(int(i), entry[str(int(i))]) for i in row.topk(num_top).indices]
+        assert len(entry) == num_top + (own["rank"] > num_top)
+        for rank, (token_id, value) in enumerate(top, start=1):
+            assert value["logprob"] == pytest.approx(float(row[token_id]), abs=1e-3)
+            assert value["rank"] == (own["rank"] if token_id == token else rank)
+
+
+def test_prompt_logprobs_match_the_reference(server, eos_model, tokenizer):
+    prompt = "Prompt logprobs name every token of the prompt"
+    ids = tokenizer.encode(prompt).ids
+    reference = _reference_logprobs(eos_model[0], ids)
+    for _ in range(2):  # the second time, a prefix cache must not skip the prompt
+        out = complete(server, prompt=prompt, max_tokens=1, n=2, prompt_logprobs=3)
+        for choice in out["choices"]:
+            _check_prompt_logprobs(choice["prompt_logprobs"], ids, reference, 3)
+            assert choice["logprobs"] is None
+        texts = [
+            choice["prompt_logprobs"][p][str(ids[p])]["decoded_token"] for p in range(1, len(ids))
+        ]
+        assert tokenizer.decode(ids[:1]) + "".join(texts) == prompt
+    # Beside echo: each keeps its own count, from one computation.
+    out = complete(
+        server, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1,
+        prompt_logprobs=0,
+    )  # fmt: skip
+    choice = out["choices"][0]
+    _check_prompt_logprobs(choice["prompt_logprobs"], ids, reference, 0)
+    echoed = choice["logprobs"]["token_logprobs"][: len(ids)]
+    assert echoed[1:] == [
+        choice["prompt_logprobs"][p][str(ids[p])]["logprob"] for p in range(1, len(ids))
+    ]
+    assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1 : len(ids)])
+
+
+def test_chat_prompt_logprobs_cover_the_rendered_prompt(server, client, model, eos_model):
+    messages = [{"role": "user", "content": "What comes first?"}]
+    status, rendered = server.post("/tokenize", {"messages": messages})
+    assert status == 200
+    out = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 2}
+    )
+    got = out.model_extra["prompt_logprobs"]
+    reference = _reference_logprobs(eos_model[0], rendered["tokens"])
+    _check_prompt_logprobs(got, rendered["tokens"], reference, 2)
+    assert (
+        "prompt_logprobs"
+        not in client.chat.completions.create(
+            model=model, messages=messages, max_tokens=1
+        ).model_extra
+    )
+
+
 # -- chat templates, reasoning, endpoints ---------------------------------------------------
 
 

@@ -2,9 +2,9 @@
 
 As vLLM reports by default, logprobs come from the raw logits: ``log_softmax`` in float32,
 before temperature, penalties and top-k/top-p. For each sampled token: its logprob and the
-``k`` best alternatives. For prompt logprobs (completions ``echo`` with ``logprobs``): every
-prompt token predicted by this step's positions, the first prompt token with NaN (nothing
-predicts it).
+``k`` best alternatives and its rank in the vocabulary. For prompt logprobs (``prompt_logprobs``,
+or completions' ``echo`` with ``logprobs``): every prompt token predicted by this step's
+positions, the first prompt token with NaN (nothing predicts it).
 
 Nothing here synchronizes with the device: the values are copied to (pinned) host memory
 asynchronously, queued before the step's result event, so they are on the host once that
@@ -35,17 +35,19 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 def top_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``logits [N, vocab]``, ``targets [N]`` -> the targets' logprobs ``[N]`` and the top
-    ``k`` ids ``[N, k]`` and logprobs ``[N, k]``, best first (all on the device)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``logits [N, vocab]``, ``targets [N]`` -> the targets' logprobs ``[N]`` and ranks
+    ``[N]`` (1 + the tokens strictly likelier), and the top ``k`` ids ``[N, k]`` and
+    logprobs ``[N, k]``, best first (all on the device)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, targets.long().view(-1, 1)).squeeze(1)
+    ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1, dtype=torch.int32) + 1
     if k > 0:
         top_values, top_ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
     else:
         top_values = logprobs.new_empty((logprobs.shape[0], 0))
         top_ids = torch.empty((logprobs.shape[0], 0), dtype=torch.int64, device=logits.device)
-    return chosen, top_ids, top_values
+    return chosen, ranks, top_ids, top_values
 
 
 @dataclass
@@ -57,6 +59,7 @@ class _Piece:
     num_top: int
     token_ids: torch.Tensor  # [n]
     logprobs: torch.Tensor  # [n]
+    ranks: torch.Tensor  # [n]
     top_ids: torch.Tensor  # [n, >= num_top]
     top_logprobs: torch.Tensor  # [n, >= num_top]
 
@@ -69,6 +72,7 @@ class _Piece:
             num_top=k,
             top_ids=pack_ids(self.top_ids[:, :k].to(torch.int32).numpy().reshape(-1)),
             top_logprobs=pack_floats(self.top_logprobs[:, :k].float().numpy().reshape(-1)),
+            ranks=pack_ids(self.ranks.to(torch.int32).numpy()),
         )
 
 
@@ -109,8 +113,8 @@ class LogprobsCollector:
         k = max(samplers[i].sampling.logprobs or 0 for i in rows)
         index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
         targets = tokens.index_select(0, index)
-        chosen, top_ids, top_values = top_logprobs(logits.index_select(0, index), targets, k)
-        host = [_to_host(t) for t in (targets, chosen, top_ids, top_values)]
+        chosen, ranks, top_ids, top_values = top_logprobs(logits.index_select(0, index), targets, k)
+        host = [_to_host(t) for t in (targets, chosen, ranks, top_ids, top_values)]
         job = self._jobs.setdefault(step_id, _StepJob())
         for j, i in enumerate(rows):
             seq = samplers[i]
@@ -123,6 +127,7 @@ class LogprobsCollector:
                     host[1][j : j + 1],
                     host[2][j : j + 1],
                     host[3][j : j + 1],
+                    host[4][j : j + 1],
                 )
             )
 
@@ -157,7 +162,7 @@ class LogprobsCollector:
             for offset in range(0, len(targets), PROMPT_CHUNK_ROWS):
                 count = min(PROMPT_CHUNK_ROWS, len(targets) - offset)
                 rows = hidden[first_row + offset : first_row + offset + count]
-                chosen, top_ids, top_values = top_logprobs(
+                chosen, ranks, top_ids, top_values = top_logprobs(
                     compute_logits(rows), target_ids[offset : offset + count], k
                 )
                 self._jobs.setdefault(step_id, _StepJob()).prompt.append(
@@ -170,6 +175,7 @@ class LogprobsCollector:
                             for t in (
                                 target_ids[offset : offset + count],
                                 chosen,
+                                ranks,
                                 top_ids,
                                 top_values,
                             )
@@ -185,6 +191,7 @@ class LogprobsCollector:
                 k,
                 torch.tensor([seq.token_ids[0]], dtype=torch.int64),
                 torch.tensor([float("nan")]),
+                torch.zeros(1, dtype=torch.int32),
                 torch.full((1, k), -1, dtype=torch.int64),
                 torch.full((1, k), float("nan")),
             )
@@ -227,6 +234,7 @@ def _merge_by_sequence(pieces: list[_Piece]) -> list[_Piece]:
                 group[0].num_top,
                 torch.cat([piece.token_ids.cpu() for piece in group]),
                 torch.cat([piece.logprobs.cpu().float() for piece in group]),
+                torch.cat([piece.ranks.cpu() for piece in group]),
                 torch.cat([piece.top_ids.cpu() for piece in group]),
                 torch.cat([piece.top_logprobs.cpu().float() for piece in group]),
             )

@@ -1,0 +1,88 @@
+"""vLLM's ``prompt_logprobs`` request field: its checks, and the response's shape (the real
+tree's values against transformers are in tests/test_api_endpoints.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from frontend_proc.errors import APIError
+from frontend_proc.logprobs import TokenEntry, prompt_logprobs_field
+from frontend_proc.schemas import parse_chat_request, parse_completion_request
+
+MODEL = "m"
+
+
+def completion(**fields):
+    return parse_completion_request({"prompt": "hi", **fields}, MODEL)
+
+
+def chat(**fields):
+    return parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **fields}, MODEL)
+
+
+@pytest.mark.parametrize("parse", [completion, chat])
+def test_prompt_logprobs_reach_the_sampling_settings(parse):
+    for count in (0, 5, 20):
+        request = parse(prompt_logprobs=count)
+        assert request.prompt_logprobs == request.sampling.prompt_logprobs == count
+    request = parse()
+    assert request.prompt_logprobs is None and request.sampling.prompt_logprobs is None
+
+
+@pytest.mark.parametrize("parse", [completion, chat])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"prompt_logprobs": 21}, "at most 20"),
+        ({"prompt_logprobs": -1}, "whole vocabulary"),
+        ({"prompt_logprobs": -2}, "at least 0"),
+        ({"prompt_logprobs": "3"}, "must be an integer"),
+        ({"prompt_logprobs": True}, "must be an integer"),
+        ({"prompt_logprobs": 1, "stream": True}, "not available when 'stream' is true"),
+    ],
+)
+def test_bad_prompt_logprobs_are_a_400_naming_the_field(parse, fields, message):
+    with pytest.raises(APIError) as caught:
+        parse(**fields)
+    assert caught.value.status == 400 and caught.value.param == "prompt_logprobs"
+    assert message in caught.value.message
+
+
+@pytest.mark.parametrize("parse", [completion, chat])
+def test_zero_prompt_logprobs_in_a_stream_ask_for_nothing(parse):
+    # As vLLM accepts it: a stream has no place for prompt logprobs.
+    request = parse(prompt_logprobs=0, stream=True)
+    assert request.prompt_logprobs is None and request.sampling.prompt_logprobs is None
+
+
+def test_echo_and_prompt_logprobs_share_one_computation():
+    assert completion(echo=True, logprobs=1, prompt_logprobs=4).sampling.prompt_logprobs == 4
+    assert completion(echo=True, logprobs=5, prompt_logprobs=2).sampling.prompt_logprobs == 5
+    assert completion(echo=True, logprobs=5).sampling.prompt_logprobs == 5
+    assert completion(logprobs=5, prompt_logprobs=2).sampling.prompt_logprobs == 2
+
+
+def test_the_field_maps_token_ids_to_logprob_rank_and_text():
+    tokens = [
+        TokenEntry(7, b"A", None),
+        # The prompt's token is not among the top two: three entries, its own first.
+        TokenEntry(8, b" b", -4.0, [(1, b" x", -0.5), (2, b" y", -1.0), (3, b" z", -2.0)], 9),
+        # It is the likeliest: two entries, its rank 1.
+        TokenEntry(1, b" x", -0.25, [(1, b" x", -0.25), (4, b"\xe4", -3.0)], 1),
+    ]
+    assert prompt_logprobs_field(tokens, 2) == [
+        None,
+        {
+            "8": {"logprob": -4.0, "rank": 9, "decoded_token": " b"},
+            "1": {"logprob": -0.5, "rank": 1, "decoded_token": " x"},
+            "2": {"logprob": -1.0, "rank": 2, "decoded_token": " y"},
+        },
+        {
+            "1": {"logprob": -0.25, "rank": 1, "decoded_token": " x"},
+            "4": {"logprob": -3.0, "rank": 2, "decoded_token": "\\xe4"},
+        },
+    ]
+    assert list(prompt_logprobs_field(tokens, 2)[1]) == ["8", "1", "2"]
+    assert prompt_logprobs_field(tokens, 0)[1] == {
+        "8": {"logprob": -4.0, "rank": 9, "decoded_token": " b"}
+    }
