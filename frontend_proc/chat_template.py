@@ -82,8 +82,9 @@ class ChatTemplate:
         self._template = _environment().from_string(source)
 
     @classmethod
-    def load(cls, model_path: str) -> ChatTemplate | None:
-        """The template of a checkpoint directory, or None if it has none."""
+    def load(cls, model_path: str, source_override: str = "") -> ChatTemplate | None:
+        """The template of a checkpoint directory (or ``source_override`` with the
+        directory's special tokens), or None if it has none."""
         config: dict[str, Any] = {}
         config_file = os.path.join(model_path, "tokenizer_config.json")
         if os.path.isfile(config_file):
@@ -94,6 +95,8 @@ class ChatTemplate:
             for name in _SPECIAL_TOKENS
             if (text := _token_text(config.get(name))) is not None
         }
+        if source_override:
+            return cls(source_override, special_tokens)
         source = _template_source(config.get("chat_template"))
         jinja_file = os.path.join(model_path, "chat_template.jinja")
         if source is None and os.path.isfile(jinja_file):
@@ -134,6 +137,23 @@ class ChatTemplate:
         if continue_final_message:
             text = _cut_after_final_message(text, messages[-1].get("content", ""))
         return text
+
+
+def template_from_option(value: str) -> str:
+    """``--chat-template``: a file's text, or the value itself when it is a template.
+    Raises ValueError naming what is wrong, a Jinja syntax error included."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            source = f.read()
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    try:
+        _environment().from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template does not compile: line {exc.lineno}: {exc}") from None
+    return source
 
 
 def _cut_after_final_message(text: str, final: str) -> str:

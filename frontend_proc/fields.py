@@ -78,7 +78,7 @@ def get_float(
     return value
 
 
-def get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+def get_bool(body: dict[str, Any], name: str, default: T) -> bool | T:
     value = body.get(name)
     if value is None:
         return default

@@ -96,13 +96,15 @@ class Preprocessor:
                 request.continue_final_message,
             )
             # The template already wrote every special token the model expects.
-            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            add_special = bool(request.add_special_tokens)
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special).ids
             return self.in_vocabulary(pack_ids(ids), "messages")
         if request.prompt_token_ids is not None:
             return self.checked_packed_ids(request.prompt_token_ids)
         if request.prompt is not None:
             # As HF's tokenizer(prompt) does: the post-processor adds BOS where the model wants it.
-            ids = self.tokenizer.encode(request.prompt, add_special_tokens=True).ids
+            add_special = request.add_special_tokens is not False
+            ids = self.tokenizer.encode(request.prompt, add_special_tokens=add_special).ids
             return self.in_vocabulary(pack_ids(ids), "prompt")
         raise invalid("the request has neither a prompt nor messages", "prompt")
 

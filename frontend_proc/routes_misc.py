@@ -17,6 +17,7 @@ from frontend_proc.server_state import ServerState, dead_reason
 from frontend_proc.serving_common import ServingContext, json_response, new_request_id
 from frontend_proc.tokenizer_calls import TokenizerService
 from frontend_proc.tool_calls import parse_tools
+from frontend_proc.unsupported import refuse_request_chat_template
 from pegainfer.protocol import DetokenizeRequest, TokenizeRequest, pack_ids, unpack_ids
 
 
@@ -94,6 +95,7 @@ def tokenize_request(body: dict[str, Any]) -> TokenizeRequest:
     add_generation_prompt, continue_final_message = True, False
     tools = None
     if body.get("messages") is not None:
+        refuse_request_chat_template(body)
         messages = parse_messages(body["messages"])
         tools = parse_tools(body)
         chat_template_kwargs = dict(get_object(body, "chat_template_kwargs") or {})

@@ -62,6 +62,7 @@ class CommonOptions:
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool = False
     prompt_logprobs: int | None = None
+    add_special_tokens: bool | None = None
 
 
 @dataclass
@@ -79,6 +80,7 @@ class CompletionRequest:
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top ones
+    add_special_tokens: bool | None = None  # BOS and the like; None: the tokenizer's own
 
 
 @dataclass
@@ -104,6 +106,7 @@ class ChatCompletionRequest:
     include_reasoning: bool = True  # false: no reasoning_content, the reasoning dropped
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top ones
+    add_special_tokens: bool = False  # over what the template writes
 
 
 def require_object(body: Any) -> dict[str, Any]:
@@ -184,6 +187,7 @@ def _common(
         truncate_prompt_tokens=extras.truncate_prompt_tokens,
         return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", False),
         prompt_logprobs=prompt_logprobs,
+        add_special_tokens=get_bool(body, "add_special_tokens", None),
     )
 
 
@@ -239,6 +243,7 @@ def parse_completion_request(
         truncate_prompt_tokens=common.truncate_prompt_tokens,
         return_tokens_as_token_ids=common.return_tokens_as_token_ids,
         prompt_logprobs=common.prompt_logprobs,
+        add_special_tokens=common.add_special_tokens,
     )
 
 
@@ -305,4 +310,5 @@ def parse_chat_request(
         include_reasoning=get_bool(body, "include_reasoning", True),
         return_tokens_as_token_ids=common.return_tokens_as_token_ids,
         prompt_logprobs=common.prompt_logprobs,
+        add_special_tokens=bool(common.add_special_tokens),
     )

@@ -46,6 +46,7 @@ def build_sub_requests(request_id: str, request: ChatCompletionRequest) -> list[
             tools=request.tools,
             continue_final_message=request.continue_final_message,
             truncate_prompt_tokens=request.truncate_prompt_tokens,
+            add_special_tokens=request.add_special_tokens,
         )
         for k in range(request.n)
     ]

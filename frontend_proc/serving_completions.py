@@ -74,6 +74,7 @@ def build_sub_requests(
                     sampling=choice_sampling,
                     arrival_time=arrival_time,
                     truncate_prompt_tokens=request.truncate_prompt_tokens,
+                    add_special_tokens=request.add_special_tokens,
                 )
             )
     return subs

@@ -29,7 +29,7 @@ ACCEPTED = (GenerateRequest, TokenizeRequest, DetokenizeRequest)
 
 def load_preprocessor(config: EngineConfig) -> Preprocessor:
     tokenizer = Tokenizer.from_file(os.path.join(config.model_path, "tokenizer.json"))
-    template = ChatTemplate.load(config.model_path)
+    template = ChatTemplate.load(config.model_path, config.chat_template)
     vocab_size = (
         config.model.vocab_size
         if config.model is not None

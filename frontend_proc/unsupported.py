@@ -39,6 +39,18 @@ def refuse_unsupported_chat_fields(body: dict[str, Any]) -> None:
         modalities is not None and modalities != ["text"] and modalities != []
     ):
         raise invalid("audio output is not supported", "audio" if "audio" in body else "modalities")
+    refuse_request_chat_template(body)
+
+
+def refuse_request_chat_template(body: dict[str, Any]) -> None:
+    """A template from the request would run the client's code in every tokenizer process;
+    the server's own is set at start-up."""
+    if body.get("chat_template") is not None:
+        raise invalid(
+            "a chat template in the request is not accepted; the server's is set at start-up "
+            "(--chat-template)",
+            "chat_template",
+        )
 
 
 # Every field a request may carry that something here reads.
@@ -49,7 +61,7 @@ _COMMON_FIELDS = (
             "stop_token_ids stop include_stop_str_in_output presence_penalty frequency_penalty "
             "repetition_penalty skip_special_tokens logit_bias n stream stream_options user "
             "allowed_token_ids truncate_prompt_tokens cache_salt bad_words priority "
-            "return_tokens_as_token_ids prompt_logprobs"
+            "return_tokens_as_token_ids prompt_logprobs add_special_tokens"
         ).split()
     )
     | STRUCTURED_FIELDS
@@ -59,7 +71,7 @@ COMPLETION_FIELDS |= {"suffix", "best_of"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 CHAT_FIELDS |= {"chat_template_kwargs", "add_generation_prompt", "tools", "tool_choice"}
 CHAT_FIELDS |= {"continue_final_message", "parallel_tool_calls", "include_reasoning"}
-CHAT_FIELDS |= {"functions", "function_call", "audio", "modalities"}
+CHAT_FIELDS |= {"functions", "function_call", "audio", "modalities", "chat_template"}
 # OpenAI fields that change nothing a server like this one returns.
 _NO_EFFECT = frozenset(("store", "metadata", "service_tier"))
 _logged: set[str] = set()

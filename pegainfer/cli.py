@@ -6,6 +6,7 @@ import argparse
 import re
 import sys
 
+from frontend_proc.chat_template import template_from_option
 from frontend_proc.sampling_defaults import parse_override
 from pegainfer.config import EngineConfig
 from pegainfer.hf_config import parse_hf_overrides
@@ -53,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--override-generation-config",
         default="",
         help="JSON object of default sampling settings, over the file's, e.g. '{\"temperature\": 0.7}'",
+    )
+    model.add_argument(
+        "--chat-template",
+        default="",
+        help="chat template to render conversations with, instead of the model's: a Jinja "
+        "file, or the template itself",
     )
     model.add_argument(
         "--max-model-len",
@@ -201,6 +208,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     try:
         override = parse_override(args.override_generation_config)
         hf_overrides = parse_hf_overrides(args.hf_overrides, args.rope_scaling)
+        chat_template = template_from_option(args.chat_template) if args.chat_template else ""
     except ValueError as exc:
         raise SystemExit(f"pegainfer: {exc}") from None
     return EngineConfig(
@@ -227,6 +235,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         generation_config=args.generation_config,
         generation_config_override=override,
+        chat_template=chat_template,
         log_level=args.log_level,
         **node_options(args),
     )

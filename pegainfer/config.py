@@ -80,6 +80,8 @@ class EngineConfig:
     # generation_config.json), "none", or a path; the override's settings win over the file's.
     generation_config: str = "auto"
     generation_config_override: dict[str, Any] = field(default_factory=dict)
+    # A chat template's source, over the model's (--chat-template); empty: the model's.
+    chat_template: str = ""
     # Set by the launcher: the resolved defaults that differ from the API's neutral ones.
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     log_level: str = "info"

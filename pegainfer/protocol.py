@@ -229,6 +229,8 @@ class GenerateRequest:
     continue_final_message: bool = False  # the prompt ends inside the last message
     # Keep only the prompt's last this many tokens (None: all).
     truncate_prompt_tokens: int | None = None
+    # Special tokens (BOS) the tokenizer adds; None: for text, not for a rendered chat.
+    add_special_tokens: bool | None = None
 
 
 @message(3)

@@ -10,8 +10,9 @@ import shutil
 
 import pytest
 
-from frontend_proc.chat_template import ChatTemplate
+from frontend_proc.chat_template import ChatTemplate, template_from_option
 from frontend_proc.errors import APIError
+from pegainfer.cli import build_parser, config_from_args
 
 
 def qwen_tokenizer_dir() -> str | None:
@@ -191,3 +192,33 @@ def test_continue_final_message_refuses_a_template_that_rewrites_the_message():
     with pytest.raises(APIError) as refused:
         rewriting.render([{"role": "assistant", "content": "abc"}], False, {}, None, True)
     assert refused.value.status == 400
+
+
+def test_a_template_given_at_start_up_replaces_the_models(tmp_path):
+    config = {"chat_template": "{{ messages[0].content }}", "bos_token": "<s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    given = tmp_path / "given.jinja"
+    given.write_text("{{ bos_token }}[{{ messages[0].content }}]")
+    for option in (str(given), given.read_text()):
+        source = template_from_option(option)
+        template = ChatTemplate.load(str(tmp_path), source)
+        assert template is not None
+        assert template.render([{"role": "user", "content": "x"}]) == "<s>[x]"
+    # A model with no template of its own is served chats with the given one.
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert ChatTemplate.load(str(tmp_path)) is None
+    assert ChatTemplate.load(str(tmp_path), "{{ 1 }}") is not None
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("/no/such/template.jinja", "neither a file nor a Jinja template"),
+        ("{% for m in messages %}", "does not compile"),
+    ],
+)
+def test_a_bad_chat_template_option_stops_the_start(option, message):
+    with pytest.raises(ValueError, match=message):
+        template_from_option(option)
+    with pytest.raises(SystemExit, match=message):
+        config_from_args(build_parser().parse_args(["--chat-template", option]))

@@ -9,13 +9,22 @@ from tests.server_util import Server
 
 pytestmark = pytest.mark.slow
 
+# Served instead of the model's own template (--chat-template).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\nAnswer briefly: {% endif %}"
+)
+
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("extras") / "pegainfer.log"
+    folder = tmp_path_factory.mktemp("extras")
+    log = folder / "pegainfer.log"
+    template = folder / "template.jinja"
+    template.write_text(CHAT_TEMPLATE)
     srv = Server(
         "--model-path", tiny_qwen3_dir, "--device", "cpu", "--kv-cache-memory", "64MiB",
-        "--max-model-len", "256", "--block-size", "16",
+        "--max-model-len", "256", "--block-size", "16", "--chat-template", str(template),
         log_path=str(log),
     ).wait_ready()  # fmt: skip
     yield srv
@@ -120,3 +129,19 @@ def test_a_priority_server_takes_priorities(tiny_qwen3_dir, tmp_path):
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]
     assert srv.leftovers() == []
+
+
+def test_the_chat_template_given_at_start_up_renders_chats(server, tiny_qwen3_dir):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{tiny_qwen3_dir}/tokenizer.json")
+    messages = [{"role": "user", "content": "hi"}]
+    status, rendered = server.post("/tokenize", {"messages": messages})
+    assert status == 200
+    text = tokenizer.decode(rendered["tokens"], skip_special_tokens=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nAnswer briefly: "
+    status, chat = server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert status == 200 and chat["usage"]["prompt_tokens"] == rendered["count"]
+    for route in ("/v1/chat/completions", "/tokenize"):
+        status, out = server.post(route, {"messages": messages, "chat_template": "{{ 1 }}"})
+        assert status == 400 and out["error"]["param"] == "chat_template", out

@@ -96,6 +96,15 @@ def test_chat_is_rendered_and_not_given_a_second_bos(preprocessor):
     assert ids == [VOCAB[w] for w in ["<s>", "<|user|>", "the", "cat", "</s>", "<|assistant|>"]]
 
 
+def test_add_special_tokens_overrides_each_endpoints_default(preprocessor):
+    bos = VOCAB["<s>"]
+    plain = preprocessor.process(request(prompt="hello", add_special_tokens=False))
+    assert unpack_ids(plain.prompt_token_ids) == [VOCAB["hello"]]
+    messages = [{"role": "user", "content": "the"}]
+    doubled = preprocessor.process(request(messages=messages, add_special_tokens=True))
+    assert unpack_ids(doubled.prompt_token_ids)[:2] == [bos, bos]
+
+
 def test_token_id_prompt_is_used_as_given(preprocessor):
     out = preprocessor.process(request(prompt_token_ids=pack_ids([5, 6, 7])))
     assert unpack_ids(out.prompt_token_ids) == [5, 6, 7]

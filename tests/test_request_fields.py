@@ -1,5 +1,6 @@
-"""vLLM's ``prompt_logprobs`` request field: its checks, and the response's shape (the real
-tree's values against transformers are in tests/test_api_endpoints.py)."""
+"""vLLM's ``prompt_logprobs`` and ``add_special_tokens`` request fields: their checks, and
+the response's shape (the real tree's prompt logprobs against transformers are in
+tests/test_api_endpoints.py)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,12 @@ def test_the_field_maps_token_ids_to_logprob_rank_and_text():
     assert prompt_logprobs_field(tokens, 0)[1] == {
         "8": {"logprob": -4.0, "rank": 9, "decoded_token": " b"}
     }
+
+
+def test_add_special_tokens_is_read_on_both_endpoints():
+    assert completion().add_special_tokens is None  # the tokenizer's own: BOS where it adds one
+    assert completion(add_special_tokens=False).add_special_tokens is False
+    assert chat().add_special_tokens is False  # the template writes them
+    assert chat(add_special_tokens=True).add_special_tokens is True
+    with pytest.raises(APIError, match="must be a boolean"):
+        chat(add_special_tokens="yes")
