@@ -97,7 +97,8 @@ def test_bf16_logits_on_cuda(model_fixture, request):
     del runner, hf32, hf16
 
 
-def _serve_greedy(model_dir: str, tmp_path) -> list[list[int]]:
+def _serve_greedy(model_dir: str, tmp_path) -> tuple[list[list[int]], list]:
+    """Each prompt's greedy tokens, and the first prompt's ``prompt_logprobs`` (top 5)."""
     server = Server(
         "--model-path",
         model_dir,
@@ -128,7 +129,13 @@ def _serve_greedy(model_dir: str, tmp_path) -> list[list[int]]:
 
     try:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            return list(pool.map(run, PROMPTS))
+            greedy = list(pool.map(run, PROMPTS))
+        status, body = server.post(
+            "/v1/completions",
+            {"prompt": PROMPTS[0], "max_tokens": 1, "prompt_logprobs": 5},
+        )
+        assert status == 200, body
+        return greedy, body["choices"][0]["prompt_logprobs"]
     finally:
         assert server.stop() == 0, server.log()[-3000:]
         assert server.leftovers() == []
@@ -138,8 +145,9 @@ def _serve_greedy(model_dir: str, tmp_path) -> list[list[int]]:
 def test_bf16_greedy_through_the_process_tree_on_cuda(model_fixture, request, tmp_path):
     model_dir = request.getfixturevalue(model_fixture)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ours = _serve_greedy(model_dir, tmp_path)
+    ours, prompt_logprobs = _serve_greedy(model_dir, tmp_path)
     hf16, hf32 = _hf(model_dir, torch.bfloat16), _hf(model_dir, torch.float32)
+    _check_prompt_logprobs(prompt_logprobs, tokenizer(PROMPTS[0])["input_ids"], hf32)
     exact = 0
     for prompt, got in zip(PROMPTS, ours):
         ids = tokenizer(prompt)["input_ids"]
@@ -156,3 +164,23 @@ def test_bf16_greedy_through_the_process_tree_on_cuda(model_fixture, request, tm
         print(f"{model_fixture} {prompt!r}: diverges at {first} with float32 gap {gap:.3f}")
         assert gap < NEAR_TIE, (prompt, first, got, want)
     print(f"{model_fixture}: {exact}/{len(PROMPTS)} prompts identical for {NUM_TOKENS} tokens")
+
+
+def _check_prompt_logprobs(got: list, ids: list[int], hf32) -> None:
+    """The served bf16 prompt logprobs against HF's float32 ones: each value within bf16's
+    rounding, each rank consistent with the top five it came with (bf16 logits tie often)."""
+    with torch.no_grad():
+        reference = torch.log_softmax(hf32(torch.tensor([ids], device="cuda")).logits[0], -1)
+    assert len(got) == len(ids) and got[0] is None
+    for position in range(1, len(ids)):
+        entry = dict(got[position])
+        own = entry.pop(str(ids[position]))
+        want = reference[position - 1, ids[position]].item()
+        assert abs(own["logprob"] - want) < 0.1 + 0.02 * abs(want), (position, own, want)
+        ranks = [value["rank"] for value in entry.values()]
+        values = [value["logprob"] for value in entry.values()]
+        assert len(entry) in (4, 5) and set(ranks) <= {1, 2, 3, 4, 5}
+        assert values == sorted(values, reverse=True) and ranks == sorted(set(ranks))
+        # Rank r: exactly r - 1 tokens of the vocabulary are likelier.
+        likelier = sum(value > own["logprob"] for value in values)
+        assert likelier == min(own["rank"] - 1, len(values)), (position, own, entry)
