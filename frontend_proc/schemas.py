@@ -59,6 +59,7 @@ class CommonOptions:
     stream: bool
     include_usage: bool
     user: str | None
+    continuous_usage: bool = False  # every chunk carries its choice's counts (vLLM)
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool = False
     prompt_logprobs: int | None = None
@@ -73,6 +74,7 @@ class CompletionRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # every chunk carries its choice's counts (vLLM)
     echo: bool = False
     logprobs: int | None = None
     user: str | None = None
@@ -91,6 +93,7 @@ class ChatCompletionRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # every chunk carries its choice's counts (vLLM)
     logprobs: bool = False
     top_logprobs: int | None = None
     user: str | None = None
@@ -168,13 +171,17 @@ def _common(
         )
     stream = get_bool(body, "stream", False)
     stream_options = get_object(body, "stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if stream_options is not None:
         if not stream:
             raise invalid(
                 "'stream_options' is only allowed when 'stream' is true", "stream_options"
             )
         include_usage = get_bool(stream_options, "include_usage", False)
+        # As in vLLM, only with include_usage.
+        continuous_usage = include_usage and get_bool(
+            stream_options, "continuous_usage_stats", False
+        )
     prompt_logprobs = _prompt_logprobs(body, stream)
     sampling.prompt_logprobs = prompt_logprobs
     return CommonOptions(
@@ -183,6 +190,7 @@ def _common(
         n=get_int(body, "n", 1, lo=1, hi=MAX_N),
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         user=get_str(body, "user", None),
         truncate_prompt_tokens=extras.truncate_prompt_tokens,
         return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", False),
@@ -236,6 +244,7 @@ def parse_completion_request(
         n=common.n,
         stream=common.stream,
         include_usage=common.include_usage,
+        continuous_usage=common.continuous_usage,
         echo=echo,
         logprobs=logprobs,
         user=common.user,
@@ -297,6 +306,7 @@ def parse_chat_request(
         n=common.n,
         stream=common.stream,
         include_usage=common.include_usage,
+        continuous_usage=common.continuous_usage,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         user=common.user,

@@ -16,6 +16,7 @@ from frontend_proc.serving_common import (
     ChoiceState,
     ServingContext,
     StreamWriter,
+    chunk_usage,
     collect,
     json_response,
     new_request_id,
@@ -123,15 +124,16 @@ async def create_chat_completion(
         "created": created,
         "model": request.model,
     }
-    usage_field = {"usage": None} if request.include_usage else {}
 
     def chunk(
         index: int,
+        counts: tuple[int, int],
         delta: dict[str, Any],
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """``counts``: the choice's prompt and completion tokens so far."""
         choice = {
             "index": index,
             "delta": delta,
@@ -140,10 +142,14 @@ async def create_chat_completion(
         }
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
+        usage_field = chunk_usage(request.include_usage, request.continuous_usage, *counts)
         return {**header, "choices": [choice], **usage_field}
 
-    def preamble() -> list[dict[str, Any]]:
-        return [chunk(index, {"role": "assistant", "content": ""}) for index in range(len(subs))]
+    def preamble(first: TextDelta | None) -> list[dict[str, Any]]:
+        # Every choice has the same prompt: the first delta tells its length.
+        counts = (0 if first is None else first.prompt_tokens, 0)
+        role = {"role": "assistant", "content": ""}
+        return [chunk(index, counts, role) for index in range(len(subs))]
 
     parsers = [ReasoningParser() for _ in subs] if ctx.reasoning else None
     tool_parsers: list[Any] | None = None
@@ -185,16 +191,17 @@ async def create_chat_completion(
             if request.logprobs and state.new_logprobs
             else None
         )
+        counts = (state.prompt_tokens, state.completion_tokens)
         if delta.finish_reason is not None:
             reason = state.finish_reason
             if forced is not None:
                 reason = forced.finish_reason(reason, tool_parsers[index].calls)
             elif tool_parsers is not None:
                 reason = finish_reason(reason, tool_parsers[index].calls)
-            return [chunk(index, fields, reason, state.stop_reason, logprobs)]
+            return [chunk(index, counts, fields, reason, state.stop_reason, logprobs)]
         if not fields and logprobs is None:
             return []
-        return [chunk(index, fields, logprobs=logprobs)]
+        return [chunk(index, counts, fields, logprobs=logprobs)]
 
     def final() -> list[dict[str, Any]]:
         if not request.include_usage:

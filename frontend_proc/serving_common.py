@@ -125,6 +125,24 @@ def usage(states: list[ChoiceState], n: int) -> dict[str, Any]:
     }
 
 
+def chunk_usage(
+    include_usage: bool, continuous: bool, prompt_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
+    """A stream chunk's ``usage`` field: none unless the stream asked for usage; then null,
+    or with vLLM's ``continuous_usage_stats`` the choice's token counts so far."""
+    if not include_usage:
+        return {}
+    if not continuous:
+        return {"usage": None}
+    return {
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+    }
+
+
 def json_response(body: dict[str, Any], status: int = 200) -> web.Response:
     return web.Response(body=jsonutil.dumps(body), status=status, content_type="application/json")
 
@@ -149,7 +167,7 @@ class StreamWriter:
         fan: FanOut,
         states: list[ChoiceState],
         chunk_for: Callable[[int, TextDelta, ChoiceState], list[dict[str, Any]]],
-        preamble: Callable[[], list[dict[str, Any]]] = list,
+        preamble: Callable[[TextDelta | None], list[dict[str, Any]]] = lambda first: [],
         final: Callable[[], list[dict[str, Any]]] = list,
     ) -> None:
         self.http_request = http_request
@@ -166,7 +184,8 @@ class StreamWriter:
         response = EventStreamResponse(status=200, headers=SSE_HEADERS)
         await response.prepare(self.http_request)
         try:
-            await self._write(response, self.preamble())
+            # The preamble may read the first delta (its prompt's length), not apply it.
+            await self._write(response, self.preamble(None if first is None else first[1]))
             if first is not None:
                 await self._deliver(response, *first)
                 # Sends the headers, if the first event made no bytes to carry them.

@@ -23,6 +23,7 @@ from frontend_proc.serving_common import (
     ChoiceState,
     ServingContext,
     StreamWriter,
+    chunk_usage,
     collect,
     json_response,
     new_request_id,
@@ -165,18 +166,17 @@ async def create_completion(
                 )
         return json_response({**header, "choices": choices, "usage": usage(states, request.n)})
 
-    usage_field = {"usage": None} if request.include_usage else {}
+    def chunk(choice: dict[str, Any], state: ChoiceState) -> dict[str, Any]:
+        counts = chunk_usage(
+            request.include_usage,
+            request.continuous_usage,
+            state.prompt_tokens,
+            state.completion_tokens,
+        )
+        return {**header, "choices": [choice], **counts}
 
-    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
-        return {**header, "choices": [choice], **usage_field}
-
-    def preamble() -> list[dict[str, Any]]:
-        if not request.echo:
-            return []
-        empty = ChoiceState()
-        return [
-            chunk(_choice(index, _echo_prefix(request, index), empty)) for index in range(len(subs))
-        ]
+    # Each choice's first chunk starts with its prompt, under echo.
+    echo_pending = [request.echo] * len(subs)
 
     # Where each choice's next logprob token starts in its streamed text.
     text_offsets = [0] * len(subs)
@@ -198,12 +198,16 @@ async def create_completion(
 
     def chunk_for(index: int, delta: TextDelta, state: ChoiceState) -> list[dict[str, Any]]:
         logprobs = chunk_logprobs(index, delta, state)
+        text = delta.text
+        if echo_pending[index]:
+            echo_pending[index] = False
+            text = _echo_prefix(request, index) + text
         # An empty delta carries nothing unless it ends the choice or has logprobs.
-        if not delta.text and delta.finish_reason is None and logprobs is None:
+        if not text and delta.finish_reason is None and logprobs is None:
             return []
         finished = delta.finish_reason is not None
-        choice = _choice(index, delta.text, state if finished else ChoiceState(), logprobs)
-        return [chunk(choice)]
+        choice = _choice(index, text, state if finished else ChoiceState(), logprobs)
+        return [chunk(choice, state)]
 
     def final() -> list[dict[str, Any]]:
         if not request.include_usage:
@@ -211,5 +215,5 @@ async def create_completion(
         return [{**header, "choices": [], "usage": usage(states, request.n)}]
 
     async with FanOut(ctx.engine, subs) as fan:
-        writer = StreamWriter(http_request, fan, states, chunk_for, preamble, final)
+        writer = StreamWriter(http_request, fan, states, chunk_for, final=final)
         return await writer.run()

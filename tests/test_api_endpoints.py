@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests import eos_server
-from tests.eos_server import MAX_MODEL_LEN, complete
+from tests.eos_server import MAX_MODEL_LEN, complete, stream_completion
 
 pytestmark = pytest.mark.slow
 
@@ -82,6 +82,17 @@ def test_chat_logprobs_and_top_logprobs(client, model):
         for entry in chunk.choices[0].logprobs.content
     ]
     assert [e.token for e in streamed] == [e.token for e in content]
+
+
+def test_streamed_echo_with_logprobs_matches_the_whole_answer(server, client, model):
+    body = dict(prompt="Echo this prompt back", max_tokens=4, temperature=0, logprobs=1, echo=True)
+    whole = complete(server, **body)["choices"][0]
+    choices = [chunk.choices[0] for chunk in stream_completion(client, model, **body)]
+    assert choices[0].text.startswith(body["prompt"])
+    assert "".join(choice.text for choice in choices) == whole["text"]
+    tokens = [token for c in choices if c.logprobs for token in c.logprobs.tokens]
+    offsets = [offset for c in choices if c.logprobs for offset in c.logprobs.text_offset]
+    assert tokens == whole["logprobs"]["tokens"] and offsets == whole["logprobs"]["text_offset"]
 
 
 def _reference_logprobs(model_dir: str, ids: list[int]):

@@ -160,3 +160,63 @@ def test_chat_stream_role_then_content_then_finish():
         assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 5
 
     run_with_client(FakeEngine(), body)
+
+
+def test_completion_stream_echo_starts_each_choices_first_chunk():
+    async def body(client):
+        resp = await client.post(
+            "/v1/completions",
+            json={"prompt": ["Say", "Tell"], "n": 2, "echo": True, "stream": True},
+        )
+        texts: dict[int, list[str]] = {}
+        for event in sse_events(await resp.text()):
+            (choice,) = event["choices"]
+            texts.setdefault(choice["index"], []).append(choice["text"])
+        assert texts == {
+            0: ["Sayc0", "!"],
+            1: ["Sayc1", "!"],
+            2: ["Tellc2", "!"],
+            3: ["Tellc3", "!"],
+        }
+
+    run_with_client(FakeEngine(), body)
+
+
+def test_continuous_usage_stats_count_each_choice_in_every_chunk():
+    options = {"include_usage": True, "continuous_usage_stats": True}
+
+    async def body(client):
+        resp = await client.post(
+            "/v1/completions",
+            json={"prompt": "x", "n": 2, "stream": True, "stream_options": options},
+        )
+        *chunks, last = sse_events(await resp.text())
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+        counts = {}
+        for chunk in chunks:
+            counts.setdefault(chunk["choices"][0]["index"], []).append(chunk["usage"])
+        for index in (0, 1):
+            assert [u["completion_tokens"] for u in counts[index]] == [1, 2]
+            for usage in counts[index]:
+                assert usage["prompt_tokens"] == 4
+                assert usage["total_tokens"] == 4 + usage["completion_tokens"]
+
+        messages = [{"role": "user", "content": "hi"}]
+        resp = await client.post(
+            "/v1/chat/completions",
+            json={"messages": messages, "stream": True, "stream_options": options},
+        )
+        *chunks, last = sse_events(await resp.text())
+        assert [chunk["usage"] for chunk in chunks] == [
+            {"prompt_tokens": 3, "completion_tokens": c, "total_tokens": 3 + c} for c in (0, 1, 2)
+        ]
+        assert last["usage"]["total_tokens"] == 5
+        # Without include_usage the option asks nothing, as in vLLM.
+        options_alone = {"continuous_usage_stats": True}
+        resp = await client.post(
+            "/v1/chat/completions",
+            json={"messages": messages, "stream": True, "stream_options": options_alone},
+        )
+        assert all("usage" not in event for event in sse_events(await resp.text()))
+
+    run_with_client(FakeEngine(), body)
