@@ -33,8 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--model-path",
         default=None,
-        help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json). "
+        help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), "
+        "or a Hub name (Qwen/Qwen3-4B) already in the local Hugging Face cache. "
         "Default: the embedded SmolLM2-135M-Instruct, converted once into the cache directory.",
+    )
+    model.add_argument(
+        "--revision",
+        default="main",
+        help="branch, tag or commit of a model given by its Hub name, as cached",
     )
     model.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: the dir name)"
@@ -236,6 +242,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         generation_config=args.generation_config,
         generation_config_override=override,
         chat_template=chat_template,
+        revision=args.revision,
         log_level=args.log_level,
         **node_options(args),
     )

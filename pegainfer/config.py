@@ -82,6 +82,8 @@ class EngineConfig:
     generation_config_override: dict[str, Any] = field(default_factory=dict)
     # A chat template's source, over the model's (--chat-template); empty: the model's.
     chat_template: str = ""
+    # The revision of a model named by its Hugging Face Hub id (looked up in the local cache).
+    revision: str = "main"
     # Set by the launcher: the resolved defaults that differ from the API's neutral ones.
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     log_level: str = "info"

@@ -38,6 +38,7 @@ from pegainfer.config import (
     finalize,
     read_model_info,
 )
+from pegainfer.hub_cache import is_repo_id, resolve_model_path
 from pegainfer.manifest import write_manifest
 from pegainfer.process import PARENT_PID_ENV, set_process_title, setup_logging
 from pegainfer.startup_timeline import seconds_since_process_start
@@ -252,6 +253,11 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
         from pegainfer.default_model import default_model_dir
 
         config.model_path = default_model_dir()
+    if is_repo_id(config.model_path):
+        # Served under its Hub name, as clients of other servers address it.
+        config.served_model_name = config.served_model_name or config.model_path
+        config.model_path = resolve_model_path(config.model_path, config.revision)
+        logger.info("serving %s from %s", config.served_model_name, config.model_path)
     config.model_path = os.path.abspath(config.model_path)
     config.model = read_model_info(config.model_path, config.hf_overrides)
     if not config.served_model_name:
