@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a language model through an OpenAI-compatible HTTP API.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    parser.add_argument(
+        "model", nargs="?", default=None, metavar="MODEL", help="the same as --model-path"
+    )
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model-path",
@@ -217,8 +220,15 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         chat_template = template_from_option(args.chat_template) if args.chat_template else ""
     except ValueError as exc:
         raise SystemExit(f"pegainfer: {exc}") from None
+    model_path = args.model_path
+    if args.model is not None:
+        if model_path is not None and model_path != args.model:
+            raise SystemExit(
+                f"pegainfer: two models given: {args.model} and --model-path {model_path}"
+            )
+        model_path = args.model
     return EngineConfig(
-        model_path=args.model_path or "",
+        model_path=model_path or "",
         served_model_name=args.served_model_name or "",
         host=args.host,
         port=args.port,

@@ -1,4 +1,5 @@
-"""Models named by their Hugging Face Hub id, served from the local hub cache."""
+"""Models named by their Hugging Face Hub id, served from the local hub cache, and the
+model given first on the command line."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 
 import pytest
 
+from pegainfer.cli import build_parser, config_from_args
 from pegainfer.hub_cache import hub_cache_dir, is_repo_id, resolve_model_path
 from tests.server_util import Server
 
@@ -58,11 +60,18 @@ def test_names_paths_and_revisions(monkeypatch, tmp_path):
         resolve_model_path("org/tiny", "v9")
 
 
+def test_the_model_may_come_first_as_in_other_servers_commands():
+    assert config_from_args(build_parser().parse_args(["org/m"])).model_path == "org/m"
+    assert config_from_args(build_parser().parse_args(["--model-path", "d"])).model_path == "d"
+    with pytest.raises(SystemExit, match="two models given"):
+        config_from_args(build_parser().parse_args(["org/m", "--model-path", "d"]))
+
+
 @pytest.mark.slow
 def test_a_hub_name_serves_the_cached_snapshot_under_that_name(tiny_qwen3_dir, tmp_path):
     cache = cache_with(tmp_path / "hub", "test-org/tiny-qwen3", tiny_qwen3_dir)
     server = Server(
-        "--model-path", "test-org/tiny-qwen3", "--device", "cpu", "--kv-cache-memory", "64MiB",
+        "test-org/tiny-qwen3", "--device", "cpu", "--kv-cache-memory", "64MiB",
         "--max-model-len", "128", "--revision", "v1",
         log_path=str(tmp_path / "pegainfer.log"), env={"HF_HUB_CACHE": cache},
     ).wait_ready()  # fmt: skip
