@@ -148,7 +148,7 @@ def create_app(
         client_max_size=state.max_request_bytes,
     )
     if reasoning is None:
-        reasoning = preprocessor is not None and preprocessor.reasons_in_think_blocks()
+        reasoning = preprocessor is not None and preprocessor.reasoning
     if tokenizer is None and preprocessor is not None:
         tokenizer = InProcessTokenizer(preprocessor)
     app[CONTEXT_KEY] = ServingContext(

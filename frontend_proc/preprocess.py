@@ -41,14 +41,21 @@ class Preprocessor:
         chat_template: ChatTemplate | None,
         max_model_len: int,
         vocab_size: int,
+        reasoning_parser: str = "auto",
     ) -> None:
+        """``reasoning_parser``: "auto" splits ``<think>`` blocks off where the model writes
+        them (``reasons_in_think_blocks``), "none" never, any other name always."""
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         # (<think>'s id, </think>'s id, the ids of the special tokens) for a reasoning model.
         self._think: tuple[int, int, frozenset[int]] | None = None
-        if self.reasons_in_think_blocks():
+        if reasoning_parser == "auto":
+            reasons = self.reasons_in_think_blocks()
+        else:
+            reasons = reasoning_parser != "none" and has_think_tokens(tokenizer)
+        if reasons:
             added = self.tokenizer.get_added_tokens_decoder()
             self._think = (
                 self.tokenizer.token_to_id(THINK_START),
@@ -56,12 +63,16 @@ class Preprocessor:
                 frozenset(token_id for token_id, token in added.items() if token.special),
             )
 
+    @property
+    def reasoning(self) -> bool:
+        """Chat outputs are split into reasoning and answer at ``</think>``."""
+        return self._think is not None
+
     def reasons_in_think_blocks(self) -> bool:
         """Whether the model writes its reasoning between <think> and </think> (Qwen3):
         the tags are tokens of their own and its chat template knows them."""
-        added = {token.content for token in self.tokenizer.get_added_tokens_decoder().values()}
         source = self.chat_template.source if self.chat_template is not None else ""
-        return THINK_START in added and THINK_END in added and THINK_END in source
+        return has_think_tokens(self.tokenizer) and THINK_END in source
 
     def render_chat(
         self,
@@ -175,6 +186,11 @@ class Preprocessor:
                 sampling.structured, after_token_id=think_end_id
             )
         return dataclasses.replace(sampling, **changes) if changes else sampling
+
+
+def has_think_tokens(tokenizer: Tokenizer) -> bool:
+    added = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
+    return THINK_START in added and THINK_END in added
 
 
 def handle(

@@ -10,12 +10,29 @@ across deltas is recognised and never leaks into either field.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Container, Sequence
 
 THINK_START = "<think>"
 THINK_END = "</think>"
 
 _BEFORE, _REASONING, _CONTENT = 0, 1, 2
+
+
+def check_reasoning_parser(model_path: str, name: str) -> None:
+    """A named reasoning parser needs the think tags as tokens of their own; raises
+    ValueError before anything starts if the model's tokenizer lacks them."""
+    if name in ("auto", "none"):
+        return
+    with open(os.path.join(model_path, "tokenizer.json"), encoding="utf-8") as f:
+        added = {token.get("content") for token in json.load(f).get("added_tokens", [])}
+    missing = [tag for tag in (THINK_START, THINK_END) if tag not in added]
+    if missing:
+        raise ValueError(
+            f"--reasoning-parser {name}: this model's tokenizer has no {' or '.join(missing)} "
+            "token, so it does not reason in think blocks ('auto' or 'none' serve it)"
+        )
 
 
 def partial_tail(text: str, tag: str) -> int:

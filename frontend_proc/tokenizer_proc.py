@@ -38,7 +38,7 @@ def load_preprocessor(config: EngineConfig) -> Preprocessor:
     max_model_len = config.max_model_len
     if max_model_len <= 0 and config.model is not None:
         max_model_len = config.model.longest_context()
-    return Preprocessor(tokenizer, template, max_model_len, vocab_size)
+    return Preprocessor(tokenizer, template, max_model_len, vocab_size, config.reasoning_parser)
 
 
 def main() -> None:
@@ -52,7 +52,7 @@ def main() -> None:
     to_frontend = ipc.connect(ctx, zmq.PUSH, args.run_dir, "frontend")
     preprocessor = load_preprocessor(config)
     # The launcher passes "reasoning" on to the frontend, which has no tokenizer to tell.
-    reasoning = preprocessor.reasons_in_think_blocks()
+    reasoning = preprocessor.reasoning
     report_ready(ctx, args.run_dir, name, vocab_size=preprocessor.vocab_size, reasoning=reasoning)
     logger.info("ready: max_model_len=%d", preprocessor.max_model_len)
     while True:

@@ -8,7 +8,7 @@ import sys
 
 from frontend_proc.chat_template import template_from_option
 from frontend_proc.sampling_defaults import parse_override
-from pegainfer.config import EngineConfig
+from pegainfer.config import REASONING_PARSERS, EngineConfig
 from pegainfer.hf_config import parse_hf_overrides
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="chat template to render conversations with, instead of the model's: a Jinja "
         "file, or the template itself",
+    )
+    model.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=REASONING_PARSERS,
+        help="how chat outputs' <think> blocks become reasoning_content: 'auto' where the "
+        "model writes them (its tokenizer and chat template know the tags), 'none' never "
+        "(they stay in the content), 'qwen3' or 'deepseek_r1' always",
     )
     model.add_argument(
         "--max-model-len",
@@ -253,6 +261,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         generation_config_override=override,
         chat_template=chat_template,
         revision=args.revision,
+        reasoning_parser=args.reasoning_parser,
         log_level=args.log_level,
         **node_options(args),
     )

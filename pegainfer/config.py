@@ -20,6 +20,11 @@ from pegainfer.hf_config import check_rope_scaling, max_context_len, read_hf_con
 ALLOW_LONG_ENV = "PEGAINFER_ALLOW_LONG_MAX_MODEL_LEN"
 
 
+# --reasoning-parser's choices: the two names other servers give Qwen3's and DeepSeek-R1's
+# <think> blocks, which pegainfer reads alike.
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
+
+
 @dataclass
 class ModelInfo:
     """What the light processes need to know about the model, read from its config.json."""
@@ -84,6 +89,9 @@ class EngineConfig:
     chat_template: str = ""
     # The revision of a model named by its Hugging Face Hub id (looked up in the local cache).
     revision: str = "main"
+    # "auto": chat outputs split at </think> where the model reasons in think blocks; "none":
+    # never; "qwen3" or "deepseek_r1": always (the tokenizer must have the tags).
+    reasoning_parser: str = "auto"
     # Set by the launcher: the resolved defaults that differ from the API's neutral ones.
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     log_level: str = "info"

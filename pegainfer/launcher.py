@@ -22,6 +22,7 @@ import time
 
 import zmq
 
+from frontend_proc.reasoning import check_reasoning_parser
 from frontend_proc.sampling_defaults import resolve_sampling_defaults
 from pegainfer import ipc, lifecycle, multinode, protocol
 from pegainfer.bytecode_cache import (
@@ -260,6 +261,7 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
         logger.info("serving %s from %s", config.served_model_name, config.model_path)
     config.model_path = os.path.abspath(config.model_path)
     config.model = read_model_info(config.model_path, config.hf_overrides)
+    check_reasoning_parser(config.model_path, config.reasoning_parser)
     if not config.served_model_name:
         config.served_model_name = os.path.basename(config.model_path.rstrip("/"))
     config.sampling_defaults, notes = resolve_sampling_defaults(

@@ -25,6 +25,7 @@ def server(tiny_qwen3_dir, tmp_path_factory):
     srv = Server(
         "--model-path", tiny_qwen3_dir, "--device", "cpu", "--kv-cache-memory", "64MiB",
         "--max-model-len", "256", "--block-size", "16", "--chat-template", str(template),
+        "--reasoning-parser", "qwen3",
         log_path=str(log),
     ).wait_ready()  # fmt: skip
     yield srv
@@ -145,3 +146,17 @@ def test_the_chat_template_given_at_start_up_renders_chats(server, tiny_qwen3_di
     for route in ("/v1/chat/completions", "/tokenize"):
         status, out = server.post(route, {"messages": messages, "chat_template": "{{ 1 }}"})
         assert status == 400 and out["error"]["param"] == "chat_template", out
+
+
+def test_a_named_reasoning_parser_splits_chats_under_any_template(server):
+    # The template given at start-up never writes the think tags, so "auto" would not split.
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "<think>\nLet me see"},
+    ]
+    body = {"messages": messages, "max_tokens": 3, "temperature": 0, "add_generation_prompt": False}
+    status, out = server.post("/v1/chat/completions", {**body, "continue_final_message": True})
+    assert status == 200, out
+    message = out["choices"][0]["message"]
+    # The prompt opened the think block: the output starts as reasoning.
+    assert message["reasoning_content"], message

@@ -12,7 +12,8 @@ import pytest
 
 from frontend_proc.chat_template import ChatTemplate
 from frontend_proc.preprocess import Preprocessor
-from frontend_proc.reasoning import turn_reasoning
+from frontend_proc.reasoning import check_reasoning_parser, turn_reasoning
+from pegainfer.cli import build_parser, config_from_args
 from pegainfer.protocol import (
     GenerateRequest,
     SamplingParams,
@@ -96,6 +97,38 @@ def test_a_model_that_does_not_reason_is_constrained_from_the_start(preprocessor
     assert not plain.reasons_in_think_blocks()
     sampling = plain.process(chat(JSON)).sampling
     assert sampling.structured.after_token_id == -1 and not sampling.starts_in_reasoning
+
+
+def test_the_reasoning_parser_option_overrides_the_detection(preprocessor, tiny_qwen3_dir):
+    tokenizer, template = preprocessor.tokenizer, preprocessor.chat_template
+    assert preprocessor.reasoning
+    off = Preprocessor(tokenizer, template, 4096, 151936, reasoning_parser="none")
+    assert not off.reasoning
+    sampling = off.process(chat(JSON)).sampling
+    assert sampling.structured.after_token_id == -1 and not sampling.starts_in_reasoning
+    # Named, it splits at </think> even under a template that never writes the tags.
+    plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    for name in ("qwen3", "deepseek_r1"):
+        named = Preprocessor(tokenizer, plain, 4096, 151936, reasoning_parser=name)
+        assert named.reasoning
+        assert named.process(chat(JSON)).sampling.structured.after_token_id == THINK_END
+    check_reasoning_parser(tiny_qwen3_dir, "qwen3")
+
+
+def test_a_named_reasoning_parser_needs_the_think_tokens(tmp_path) -> None:
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).save(
+        str(tmp_path / "tokenizer.json")
+    )
+    for name in ("auto", "none"):
+        check_reasoning_parser(str(tmp_path), name)
+    with pytest.raises(ValueError, match="no <think> or </think> token"):
+        check_reasoning_parser(str(tmp_path), "deepseek_r1")
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        build_parser().parse_args(["--reasoning-parser", "granite"])
+    args = build_parser().parse_args(["--reasoning-parser", "none"])
+    assert config_from_args(args).reasoning_parser == "none"
 
 
 def test_a_prompt_that_opens_the_think_block_starts_the_output_in_it(preprocessor) -> None:
