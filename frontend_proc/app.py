@@ -117,6 +117,10 @@ async def detokenize(request: web.Request) -> web.Response:
     return await routes_misc.detokenize(request.app[CONTEXT_KEY], request.app[TOKENIZER_KEY], body)
 
 
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    return await routes_misc.reset_prefix_cache(request.app[CONTEXT_KEY].engine)
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     return await create_completion(request, request.app[CONTEXT_KEY], body)
@@ -170,6 +174,9 @@ def create_app(
     app.router.add_get("/v1/models/{model:.+}", get_model)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    # vLLM's name, and SGLang's.
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    app.router.add_post("/flush_cache", reset_prefix_cache)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     return app

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -38,7 +39,9 @@ from pegainfer.protocol import (
     EngineDead,
     EngineStats,
     GenerateRequest,
+    PrefixCacheReset,
     RequestRejected,
+    ResetPrefixCache,
     TextDelta,
     TextOutputs,
     TokenizedRequest,
@@ -56,6 +59,7 @@ _INBOUND = (
     EngineDead,
     TokenizeResult,
     DetokenizeResult,
+    PrefixCacheReset,
 )
 _Inbound = (
     TextOutputs
@@ -65,8 +69,9 @@ _Inbound = (
     | EngineDead
     | TokenizeResult
     | DetokenizeResult
+    | PrefixCacheReset
 )
-_CallAnswer = TokenizeResult | DetokenizeResult | RequestRejected
+_CallAnswer = TokenizeResult | DetokenizeResult | RequestRejected | PrefixCacheReset
 
 
 class EngineClientProtocol(Protocol):
@@ -75,6 +80,8 @@ class EngineClientProtocol(Protocol):
     def generate(self, request: GenerateRequest | TokenizedRequest) -> AsyncIterator[TextDelta]: ...
 
     def abort(self, request_ids: list[str]) -> None: ...
+
+    async def reset_prefix_cache(self) -> PrefixCacheReset: ...
 
 
 def engine_dead_error(reason: str) -> APIError:
@@ -105,7 +112,8 @@ class EngineClient:
         self._inbound = ipc.bind(self._async_ctx, zmq.PULL, run_dir, "frontend")
         self._queues: dict[str, asyncio.Queue[TextDelta | RequestRejected | _Failure]] = {}
         self._unstarted: set[str] = set()  # sent, no output yet
-        self._calls: dict[str, asyncio.Future[_CallAnswer | _Failure]] = {}  # tokenizer calls
+        # Calls to a tokenizer or the scheduler, by id.
+        self._calls: dict[str, asyncio.Future[_CallAnswer | _Failure]] = {}
         self._receiver: asyncio.Task[None] | None = None
         self.metrics = RequestMetrics()
         self.stats: EngineStats | None = None
@@ -179,7 +187,7 @@ class EngineClient:
             if self.on_drain is not None:
                 self.on_drain(msg.timeout)
             return
-        if isinstance(msg, (TokenizeResult, DetokenizeResult)) or (
+        if isinstance(msg, (TokenizeResult, DetokenizeResult, PrefixCacheReset)) or (
             isinstance(msg, RequestRejected) and msg.request_id in self._calls
         ):
             call = self._calls.get(msg.request_id)
@@ -289,6 +297,23 @@ class EngineClient:
             raise answer.error
         if isinstance(answer, RequestRejected):
             raise APIError.from_rejection(answer)
+        return answer
+
+    async def reset_prefix_cache(self) -> PrefixCacheReset:
+        """Ask the scheduler to empty the prefix cache, and wait for its answer."""
+        if self.dead_reason is not None:
+            raise engine_dead_error(self.dead_reason)
+        request_id = f"reset-{uuid.uuid4().hex}"
+        call: asyncio.Future[_CallAnswer | _Failure] = asyncio.get_running_loop().create_future()
+        self._calls[request_id] = call
+        try:
+            ipc.send(self._to_scheduler, ResetPrefixCache(request_id))
+            answer = await call
+        finally:
+            self._calls.pop(request_id, None)
+        if isinstance(answer, _Failure):
+            raise answer.error
+        assert isinstance(answer, PrefixCacheReset)
         return answer
 
     def abort(self, request_ids: list[str]) -> None:

@@ -75,6 +75,20 @@ def get_model(ctx: ServingContext, model: str) -> web.Response:
     return json_response(model_card(ctx))
 
 
+async def reset_prefix_cache(engine: Any) -> web.Response:
+    """POST /reset_prefix_cache (and /flush_cache): empty the prefix cache, so that the next
+    requests compute their prompts in full (a benchmark's cold runs, say)."""
+    reset = await engine.reset_prefix_cache()
+    return json_response(
+        {
+            "object": "prefix_cache_reset",
+            "enabled": reset.enabled,
+            "num_entries": reset.num_entries,
+            "num_blocks_freed": reset.num_blocks_freed,
+        }
+    )
+
+
 def _require_tokenizer(tokenizer: TokenizerService | None) -> TokenizerService:
     if tokenizer is None:
         raise APIError(501, "this server has no tokenizer to serve this endpoint", SERVER_ERROR)

@@ -10,13 +10,14 @@ connect before the PULL binds, so processes can start in any order.
 |               |                        | Drained; scheduler: WatchdogAlarm         |
 | tokenizer     | frontend binds a PUSH  | tokenizers connect PULL: GenerateRequest, |
 |               |                        | TokenizeRequest, DetokenizeRequest        |
-| scheduler     | scheduler              | tokenizers, frontend, worker rank 0,      |
-|               |                        | detokenizer (aborts on stop strings)      |
+| scheduler     | scheduler              | tokenizers, frontend (aborts, prefix      |
+|               |                        | cache resets), worker rank 0, detokenizer |
+|               |                        | (aborts on stop strings)                  |
 | worker-{rank} | worker rank            | scheduler: StepPlan                       |
 | detokenizer   | detokenizer            | scheduler: TokenOutputs                   |
 | frontend      | frontend               | detokenizer, tokenizers (also answers to  |
-|               |                        | /tokenize calls), scheduler, launcher     |
-|               |                        | (Drain, EngineDead)                       |
+|               |                        | /tokenize calls), scheduler (also answers |
+|               |                        | to resets), launcher (Drain, EngineDead)  |
 | tap-{process} | every child (PUB)      | a copy of every message the process sends |
 
 The tap sockets let ``pegainfer tap`` watch the traffic of a running instance. A PUB socket
@@ -55,7 +56,7 @@ SOCKET_TABLE: list[dict[str, str]] = [
         "name": "scheduler",
         "bound_by": "scheduler",
         "pattern": "PULL",
-        "carries": "TokenizedRequest, AbortRequests, StepResult",
+        "carries": "TokenizedRequest, AbortRequests, StepResult, ResetPrefixCache",
     },
     {"name": "worker-{rank}", "bound_by": "worker", "pattern": "PULL", "carries": "StepPlan"},
     {
@@ -69,7 +70,7 @@ SOCKET_TABLE: list[dict[str, str]] = [
         "bound_by": "frontend",
         "pattern": "PULL",
         "carries": "TextOutputs, RequestRejected, EngineStats, Drain, EngineDead, "
-        "TokenizeResult, DetokenizeResult",
+        "TokenizeResult, DetokenizeResult, PrefixCacheReset",
     },
     {
         "name": "tap-{process}",

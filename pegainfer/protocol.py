@@ -454,3 +454,24 @@ class DetokenizeResult:
 
     request_id: str
     text: str
+
+
+@message(21)
+@dataclass
+class ResetPrefixCache:
+    """Frontend to scheduler: forget every cached prefix (POST /reset_prefix_cache). The
+    answer is a PrefixCacheReset."""
+
+    request_id: str
+
+
+@message(22)
+@dataclass
+class PrefixCacheReset:
+    """Scheduler to frontend: the prefix cache is empty; blocks that running requests hold
+    stay theirs, and what they compute from here on is not cached."""
+
+    request_id: str
+    enabled: bool  # false: the server runs without a prefix cache
+    num_entries: int  # cached block contents forgotten
+    num_blocks_freed: int  # unreferenced cached blocks returned to the free queue

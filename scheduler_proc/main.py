@@ -18,6 +18,8 @@ from pegainfer.multinode import scheduler_plan_socket
 from pegainfer.process import child_args, init_child, report_ready
 from pegainfer.protocol import (
     AbortRequests,
+    PrefixCacheReset,
+    ResetPrefixCache,
     StepResult,
     TokenizedRequest,
     TokenOutputs,
@@ -30,7 +32,7 @@ from scheduler_proc.scheduler import Scheduler
 logger = logging.getLogger("scheduler_proc")
 
 NAME = "scheduler"
-ACCEPTED = (TokenizedRequest, AbortRequests, StepResult)
+ACCEPTED = (TokenizedRequest, AbortRequests, StepResult, ResetPrefixCache)
 STATS_INTERVAL_S = 10.0
 # While a grammar compiles, wake this often to move its request on once it is ready.
 COMPILE_POLL_MS = 2
@@ -121,6 +123,13 @@ class SchedulerLoop:
             return
         elif isinstance(msg, AbortRequests):
             outputs = self.extras.decorate(self.scheduler.apply_aborts(msg.request_ids))
+        elif isinstance(msg, ResetPrefixCache):
+            reset = self.scheduler.reset_prefix_cache()
+            entries, freed = reset or (0, 0)
+            ipc.send(
+                self.frontend, PrefixCacheReset(msg.request_id, reset is not None, entries, freed)
+            )
+            return
         else:
             logger.warning("ignored an unexpected %s", type(msg).__name__)
             return

@@ -141,6 +141,17 @@ class PrefixCache:
             request.prefix_nodes.append(node)
             parent = node
 
+    def reset(self) -> tuple[int, int]:
+        """Forget every entry; returns (entries forgotten, cached blocks made free). Blocks
+        that requests hold stay theirs, and a request whose prefix is gone indexes no more
+        of its blocks (``register``)."""
+        num_entries = self._num_nodes
+        cached_before = self.block_manager.num_cached_blocks
+        for roots in [self._roots, *self._salted_roots.values()]:
+            for node in list(roots.values()):
+                self._kill(node)
+        return num_entries, cached_before - self.block_manager.num_cached_blocks
+
     # -- eviction --------------------------------------------------------------------------
 
     def _on_evict(self, block_id: int) -> None:

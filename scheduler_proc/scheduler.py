@@ -272,6 +272,14 @@ class Scheduler(StepPlanning, ResultIntake, RequestEndings):
 
     # -- planning --------------------------------------------------------------------------
 
+    def reset_prefix_cache(self) -> tuple[int, int] | None:
+        """Empty the prefix cache: (entries forgotten, blocks freed), or None without one."""
+        if self.prefix_cache is None:
+            return None
+        result = self.prefix_cache.reset()
+        logger.info("prefix cache reset: %d entries forgotten, %d blocks freed", *result)
+        return result
+
     def flush_prefix_cache(self) -> None:
         """Index the blocks the last plan completed (``run_deferred`` does, once the plan is
         sent: the indexing stays off the critical path)."""
