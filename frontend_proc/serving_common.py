@@ -102,13 +102,22 @@ def sub_request_id(request_id: str, choice_index: int) -> str:
     return f"{request_id}-{choice_index}"
 
 
-def sampling_for_choice(sampling: SamplingParams, k: int) -> SamplingParams:
-    """The k-th of n samples of one prompt; a seeded request gets distinct but reproducible
-    seeds, or its n choices would all be the same text."""
-    if k == 0 or sampling.seed is None:
+def sampling_for_choice(
+    sampling: SamplingParams, k: int, prompt_logprobs_per_choice: bool = False
+) -> SamplingParams:
+    """The k-th of n samples of one prompt. A seeded request gets distinct but reproducible
+    seeds, or its n choices would all be the same text. The prompt's logprobs are the same
+    for every choice: only the first computes them, unless each streams its own."""
+    if k == 0:
+        return sampling
+    drop_prompt_logprobs = sampling.prompt_logprobs is not None and not prompt_logprobs_per_choice
+    if sampling.seed is None and not drop_prompt_logprobs:
         return sampling
     child = copy.copy(sampling)
-    child.seed = (sampling.seed + k + 2**63) % 2**64 - 2**63
+    if sampling.seed is not None:
+        child.seed = (sampling.seed + k + 2**63) % 2**64 - 2**63
+    if drop_prompt_logprobs:
+        child.prompt_logprobs = None
     return child
 
 

@@ -59,7 +59,9 @@ def build_sub_requests(
             prompt, sampling = checked_id_prompt(prompt, request, ctx)
         for k in range(request.n):
             sub_id = sub_request_id(request_id, prompt_index * request.n + k)
-            choice_sampling = sampling_for_choice(sampling, k)
+            # Echoed logprobs come with each choice's own stream.
+            per_choice = request.echo and request.logprobs is not None
+            choice_sampling = sampling_for_choice(sampling, k, per_choice)
             if direct:
                 subs.append(TokenizedRequest(sub_id, prompt, choice_sampling, arrival_time))
                 continue
@@ -160,9 +162,11 @@ async def create_completion(
             for choice, state in zip(choices, states):
                 choice["token_ids"] = state.token_ids
         if request.prompt_logprobs is not None:
-            for choice, state in zip(choices, states):
+            for index, choice in enumerate(choices):
+                # The first choice of each prompt computed them (sampling_for_choice).
+                first = states[index - index % request.n]
                 choice["prompt_logprobs"] = prompt_logprobs_field(
-                    state.prompt_logprobs.ordered(), request.prompt_logprobs
+                    first.prompt_logprobs.ordered(), request.prompt_logprobs
                 )
         return json_response({**header, "choices": choices, "usage": usage(states, request.n)})
 

@@ -9,6 +9,7 @@ import pytest
 from frontend_proc.errors import APIError
 from frontend_proc.logprobs import TokenEntry, prompt_logprobs_field
 from frontend_proc.schemas import parse_chat_request, parse_completion_request
+from tests.fake_engine import FakeEngine, run_with_client
 
 MODEL = "m"
 
@@ -96,3 +97,28 @@ def test_add_special_tokens_is_read_on_both_endpoints():
     assert chat(add_special_tokens=True).add_special_tokens is True
     with pytest.raises(APIError, match="must be a boolean"):
         chat(add_special_tokens="yes")
+
+
+def test_only_each_prompts_first_choice_computes_its_prompt_logprobs():
+    engine = FakeEngine()
+
+    async def body(client):
+        for path, extra in (
+            ("/v1/completions", {"prompt": ["a", "b"]}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ):
+            engine.requests.clear()
+            resp = await client.post(path, json={**extra, "n": 3, "prompt_logprobs": 2})
+            assert resp.status == 200, await resp.text()
+            asked = {
+                r.request_id.rsplit("-", 1)[1]: r.sampling.prompt_logprobs for r in engine.requests
+            }
+            firsts = {"0", "3"} if path == "/v1/completions" else {"0"}
+            assert {k for k, v in asked.items() if v is not None} == firsts
+        # Echoed logprobs: every choice streams its own.
+        engine.requests.clear()
+        echoed = {"prompt": "a", "n": 2, "echo": True, "logprobs": 1, "prompt_logprobs": 2}
+        assert (await client.post("/v1/completions", json=echoed)).status == 200
+        assert [r.sampling.prompt_logprobs for r in engine.requests] == [2, 2]
+
+    run_with_client(engine, body)
