@@ -33,6 +33,21 @@ CALL_END = "</tool_call>"
 TEMPLATE_MARK = CALL_START
 
 
+# --tool-call-parser's choices: "auto", and the names other servers give this format.
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen25")
+
+
+def check_tool_call_parser(name: str, template_source: str | None) -> None:
+    """A named parser asserts that the model calls tools in this format; raises ValueError
+    before anything starts if its chat template does not teach it."""
+    if name != "auto" and (template_source is None or TEMPLATE_MARK not in template_source):
+        raise ValueError(
+            f"--tool-call-parser {name}: this model's chat template writes no {CALL_START} "
+            "blocks, so its tool calls could not be parsed (give a template that does with "
+            "--chat-template, or leave the option out)"
+        )
+
+
 def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     """The tools a chat request shows the model, or None (no tools, or ``tool_choice``
     "none")."""

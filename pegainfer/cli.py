@@ -8,6 +8,7 @@ import sys
 
 from frontend_proc.chat_template import template_from_option
 from frontend_proc.sampling_defaults import parse_override
+from frontend_proc.tool_calls import TOOL_CALL_PARSERS
 from pegainfer.config import REASONING_PARSERS, EngineConfig
 from pegainfer.hf_config import parse_hf_overrides
 
@@ -77,6 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="how chat outputs' <think> blocks become reasoning_content: 'auto' where the "
         "model writes them (its tokenizer and chat template know the tags), 'none' never "
         "(they stay in the content), 'qwen3' or 'deepseek_r1' always",
+    )
+    model.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=TOOL_CALL_PARSERS,
+        help="the tool-call format: 'auto' parses <tool_call> blocks (Hermes, as Qwen2.5 "
+        "and Qwen3 write them) where the chat template teaches them; 'hermes' or 'qwen25' "
+        "stops the start if it does not",
+    )
+    model.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for other servers' command lines: tool_choice 'auto' is always served "
+        "where the model has a tool-call format",
     )
     model.add_argument(
         "--max-model-len",
@@ -262,6 +277,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         chat_template=chat_template,
         revision=args.revision,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         log_level=args.log_level,
         **node_options(args),
     )

@@ -92,6 +92,9 @@ class EngineConfig:
     # "auto": chat outputs split at </think> where the model reasons in think blocks; "none":
     # never; "qwen3" or "deepseek_r1": always (the tokenizer must have the tags).
     reasoning_parser: str = "auto"
+    # "auto": tool calls parsed where the chat template writes <tool_call> blocks; a named
+    # parser ("hermes", "qwen25") requires that it does.
+    tool_call_parser: str = "auto"
     # Set by the launcher: the resolved defaults that differ from the API's neutral ones.
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     log_level: str = "info"

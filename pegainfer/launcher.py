@@ -24,6 +24,7 @@ import zmq
 
 from frontend_proc.reasoning import check_reasoning_parser
 from frontend_proc.sampling_defaults import resolve_sampling_defaults
+from frontend_proc.tool_calls import check_tool_call_parser
 from pegainfer import ipc, lifecycle, multinode, protocol
 from pegainfer.bytecode_cache import (
     BYTECODE_CACHE_ENV,
@@ -262,6 +263,11 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
     config.model_path = os.path.abspath(config.model_path)
     config.model = read_model_info(config.model_path, config.hf_overrides)
     check_reasoning_parser(config.model_path, config.reasoning_parser)
+    if config.tool_call_parser != "auto":
+        from frontend_proc.chat_template import ChatTemplate  # jinja2: only when asked
+
+        template = ChatTemplate.load(config.model_path, config.chat_template)
+        check_tool_call_parser(config.tool_call_parser, template and template.source)
     if not config.served_model_name:
         config.served_model_name = os.path.basename(config.model_path.rstrip("/"))
     config.sampling_defaults, notes = resolve_sampling_defaults(

@@ -73,6 +73,8 @@ def test_a_hub_name_serves_the_cached_snapshot_under_that_name(tiny_qwen3_dir, t
     server = Server(
         "test-org/tiny-qwen3", "--device", "cpu", "--kv-cache-memory", "64MiB",
         "--max-model-len", "128", "--revision", "v1",
+        # The rest of a command line as other servers' docs give it for Qwen3.
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
         log_path=str(tmp_path / "pegainfer.log"), env={"HF_HUB_CACHE": cache},
     ).wait_ready()  # fmt: skip
     try:

@@ -14,7 +14,13 @@ from test_tokenizer_proc import preprocessor, request  # noqa: F401 - a fixture
 
 from frontend_proc.chat_template import ChatTemplate
 from frontend_proc.preprocess import Preprocessor, handle
-from frontend_proc.tool_calls import ToolCallParser, finish_reason, split_tool_calls
+from frontend_proc.tool_calls import (
+    ToolCallParser,
+    check_tool_call_parser,
+    finish_reason,
+    split_tool_calls,
+)
+from pegainfer.cli import build_parser, config_from_args
 from pegainfer.protocol import RequestRejected
 from tests.fake_engine import MODEL, FakeEngine, delta, run_with_client
 from tools.soak_mix import WEATHER_TOOL
@@ -321,3 +327,23 @@ def test_any_split_of_well_formed_calls_streams_their_arguments(calls, before, c
     assert (content + text).strip() == whole_content == before.strip()
     assert names_and_arguments(streamed) == names_and_arguments(whole)
     assert names_and_arguments(whole) == [(f"f{i}", a) for i, a in enumerate(calls)]
+
+
+def test_a_named_tool_call_parser_needs_a_template_that_teaches_the_format(tmp_path):
+    check_tool_call_parser("auto", None)
+    teaching = "{% if tools %}<tool_call>{% endif %}{{ messages[0].content }}"
+    for name in ("hermes", "qwen25"):
+        check_tool_call_parser(name, teaching)
+        with pytest.raises(ValueError, match="writes no <tool_call> blocks"):
+            check_tool_call_parser(name, "{{ messages[0].content }}")
+        with pytest.raises(ValueError, match="writes no <tool_call> blocks"):
+            check_tool_call_parser(name, None)
+    args = build_parser().parse_args(["--tool-call-parser", "hermes", "--enable-auto-tool-choice"])
+    assert config_from_args(args).tool_call_parser == "hermes"
+    with pytest.raises(SystemExit):  # argparse: not a format this server parses
+        build_parser().parse_args(["--tool-call-parser", "mistral"])
+
+
+@needs_qwen
+def test_qwen3s_template_satisfies_the_hermes_parser():
+    check_tool_call_parser("hermes", ChatTemplate.load(QWEN_DIR).source)
