@@ -51,7 +51,11 @@ valid_common = {
     "frequency_penalty": st.floats(-2.0, 2.0),
     "repetition_penalty": st.floats(0.1, 2.0),
     "stream": st.booleans(),
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stream_options": st.fixed_dictionaries(
+        {"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}
+    ),
+    "prompt_logprobs": st.integers(0, 3),
+    "add_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
 }
