@@ -8,9 +8,9 @@ from typing import Any
 
 from aiohttp import web
 
+from frontend_proc.chat_output import ChatOutput
 from frontend_proc.fanout import FanOut
 from frontend_proc.logprobs import chat_logprobs, prompt_logprobs_field
-from frontend_proc.reasoning import ReasoningParser, split_reasoning
 from frontend_proc.schemas import ChatCompletionRequest, parse_chat_request
 from frontend_proc.serving_common import (
     ChoiceState,
@@ -23,11 +23,6 @@ from frontend_proc.serving_common import (
     sampling_for_choice,
     sub_request_id,
     usage,
-)
-from frontend_proc.tool_calls import (
-    ToolCallParser,
-    finish_reason,
-    split_tool_calls,
 )
 from pegainfer.protocol import GenerateRequest, TextDelta
 
@@ -64,27 +59,7 @@ async def create_chat_completion(
 
     num_top = request.top_logprobs or 0
 
-    with_tools = request.tools is not None
-    forced = request.forced_calls
-
-    def message(state: ChoiceState) -> dict[str, Any]:
-        reasoning, content = (
-            split_reasoning(state.text, state.starts_in_reasoning)
-            if ctx.reasoning
-            else (None, state.text)
-        )
-        fields: dict[str, Any] = {"role": "assistant", "content": content}
-        fields["reasoning_content"] = reasoning if request.include_reasoning else None
-        if forced is not None:
-            fields["content"], calls = forced.split(content or "")
-            fields["tool_calls"] = calls
-            state.finish_reason = forced.finish_reason(state.finish_reason, calls)
-        elif with_tools:
-            content, calls = split_tool_calls(content, request.max_tool_calls)
-            fields["content"] = content if content or not calls else None
-            fields["tool_calls"] = calls
-            state.finish_reason = finish_reason(state.finish_reason, calls)
-        return fields
+    output = ChatOutput(request, ctx.reasoning)
 
     if not request.stream:
         async with FanOut(ctx.engine, subs) as fan:
@@ -92,7 +67,8 @@ async def create_chat_completion(
         choices = [
             {
                 "index": index,
-                "message": message(state),  # first: it may make the finish "tool_calls"
+                # First: it may make the finish "tool_calls".
+                "message": output.message(state),
                 "logprobs": (
                     chat_logprobs(state.logprobs, num_top, request.return_tokens_as_token_ids)
                     if request.logprobs
@@ -151,41 +127,10 @@ async def create_chat_completion(
         role = {"role": "assistant", "content": ""}
         return [chunk(index, counts, role) for index in range(len(subs))]
 
-    parsers = [ReasoningParser() for _ in subs] if ctx.reasoning else None
-    tool_parsers: list[Any] | None = None
-    if forced is not None:
-        tool_parsers = [forced.parser() for _ in subs]
-    elif with_tools:
-        tool_parsers = [ToolCallParser(request.max_tool_calls) for _ in subs]
-
-    def text_fields(index: int, delta: TextDelta) -> dict[str, Any]:
-        reasoning, content = "", delta.text
-        if parsers is not None:
-            if delta.starts_in_reasoning:
-                parsers[index].start_in_reasoning()
-            reasoning, content = parsers[index].feed(delta.text)
-            if delta.finish_reason is not None:
-                more_reasoning, more_content = parsers[index].flush()
-                reasoning += more_reasoning
-                content += more_content
-        fields: dict[str, Any] = {}
-        if reasoning and request.include_reasoning:
-            fields["reasoning_content"] = reasoning
-        if tool_parsers is not None:
-            parser = tool_parsers[index]
-            content, calls = parser.feed(content)
-            if delta.finish_reason is not None:
-                more_content, more_calls = parser.flush()
-                content += more_content
-                calls += more_calls
-            if calls:
-                fields["tool_calls"] = calls
-        if content:
-            fields["content"] = content
-        return fields
+    streams = [output.stream() for _ in subs]
 
     def chunk_for(index: int, delta: TextDelta, state: ChoiceState) -> list[dict[str, Any]]:
-        fields = text_fields(index, delta)
+        fields = streams[index].fields(delta)
         logprobs = (
             chat_logprobs(state.new_logprobs, num_top, request.return_tokens_as_token_ids)
             if request.logprobs and state.new_logprobs
@@ -193,11 +138,7 @@ async def create_chat_completion(
         )
         counts = (state.prompt_tokens, state.completion_tokens)
         if delta.finish_reason is not None:
-            reason = state.finish_reason
-            if forced is not None:
-                reason = forced.finish_reason(reason, tool_parsers[index].calls)
-            elif tool_parsers is not None:
-                reason = finish_reason(reason, tool_parsers[index].calls)
+            reason = streams[index].finish_reason(state)
             return [chunk(index, counts, fields, reason, state.stop_reason, logprobs)]
         if not fields and logprobs is None:
             return []
