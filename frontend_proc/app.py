@@ -23,6 +23,7 @@ from frontend_proc.server_state import ServerState
 from frontend_proc.serving_chat import create_chat_completion
 from frontend_proc.serving_common import ServingContext, json_response
 from frontend_proc.serving_completions import create_completion
+from frontend_proc.serving_responses import create_response, stored_response
 from frontend_proc.tokenizer_calls import InProcessTokenizer, TokenizerService
 from pegainfer.config import EngineConfig
 
@@ -121,6 +122,15 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     return await routes_misc.reset_prefix_cache(request.app[CONTEXT_KEY].engine)
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    return await create_response(request, request.app[CONTEXT_KEY], body)
+
+
+async def get_response(request: web.Request) -> web.Response:
+    raise stored_response(request.match_info["response_id"])
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     return await create_completion(request, request.app[CONTEXT_KEY], body)
@@ -163,6 +173,7 @@ def create_app(
         reasoning=reasoning,
         vocab_size=config.model.vocab_size if config.model is not None else None,
         sampling_defaults=SamplingDefaults.from_dict(config.sampling_defaults),
+        cache_block_size=config.block_size if config.enable_prefix_caching else 0,
     )
     app[STATE_KEY] = state
     app[TOKENIZER_KEY] = tokenizer
@@ -179,4 +190,6 @@ def create_app(
     app.router.add_post("/flush_cache", reset_prefix_cache)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
     return app

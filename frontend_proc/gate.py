@@ -18,7 +18,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Paths anyone may read, keys or not: probes and scrapers carry no keys.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 RETRY_AFTER_S = "1"
 
 

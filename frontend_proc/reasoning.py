@@ -90,6 +90,11 @@ class ReasoningParser:
         return reasoning, content
 
     @property
+    def in_content(self) -> bool:
+        """Past the reasoning (or decided that there is none)."""
+        return self._state == _CONTENT
+
+    @property
     def saw_think(self) -> bool:
         """Whether the output opened a think block."""
         return self._state == _REASONING or self._thought
@@ -100,6 +105,29 @@ class ReasoningParser:
         if self._state == _REASONING:
             return held, ""
         return "", held
+
+
+class ReasoningTokenCounter:
+    """The output tokens a choice spent reasoning, its think tags included, counted delta by
+    delta (a delta holds the text of one token, or of a few)."""
+
+    def __init__(self) -> None:
+        self._parser = ReasoningParser()
+        self._undecided = 0  # tokens before the output showed whether it thinks
+        self.count = 0
+
+    def add(self, text: str, num_tokens: int, starts_in_reasoning: bool = False) -> None:
+        parser = self._parser
+        if parser.in_content:
+            return
+        if starts_in_reasoning:
+            parser.start_in_reasoning()
+        parser.feed(text)
+        if parser.saw_think:
+            self.count += self._undecided + num_tokens
+            self._undecided = 0
+        elif not parser.in_content:
+            self._undecided += num_tokens
 
 
 def split_reasoning(text: str, starts_in_reasoning: bool = False) -> tuple[str | None, str]:

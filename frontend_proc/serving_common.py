@@ -51,6 +51,15 @@ class ServingContext:
     vocab_size: int | None = None  # the model's, when the config names it
     # What a request's omitted sampling fields become (--generation-config).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # The prefix cache's block, in tokens; 0 without a prefix cache.
+    cache_block_size: int = 0
+
+    def cache_write_tokens(self, prompt_tokens: int, cached_tokens: int) -> int:
+        """The prompt tokens a request adds to the prefix cache: the full blocks it computed."""
+        if self.cache_block_size <= 0:
+            return 0
+        full = prompt_tokens // self.cache_block_size * self.cache_block_size
+        return max(0, full - cached_tokens)
 
 
 @dataclass
@@ -178,13 +187,19 @@ class StreamWriter:
         chunk_for: Callable[[int, TextDelta, ChoiceState], list[dict[str, Any]]],
         preamble: Callable[[TextDelta | None], list[dict[str, Any]]] = lambda first: [],
         final: Callable[[], list[dict[str, Any]]] = list,
+        encode: Callable[[dict[str, Any]], bytes] | None = None,
+        done: bytes = DONE,
     ) -> None:
+        """``encode``: one event's bytes (``sse_event`` by default; it also gets the error
+        body of a stream that fails); ``done``: the stream's last bytes."""
         self.http_request = http_request
         self.fan = fan
         self.states = states
         self.chunk_for = chunk_for
         self.preamble = preamble
         self.final = final
+        self.encode = encode or sse_event
+        self.done = done
 
     async def run(self) -> web.StreamResponse:
         events = aiter(self.fan)
@@ -211,7 +226,8 @@ class StreamWriter:
             logger.exception("a stream failed")
             await self._write_error(response, APIError(500, "internal server error", SERVER_ERROR))
         try:
-            await response.write(DONE)
+            if self.done:
+                await response.write(self.done)
             await response.write_eof()
         except ConnectionResetError:
             pass
@@ -224,10 +240,10 @@ class StreamWriter:
 
     async def _write(self, response: web.StreamResponse, chunks: list[dict[str, Any]]) -> None:
         if chunks:
-            await response.write(b"".join(sse_event(chunk) for chunk in chunks))
+            await response.write(b"".join(self.encode(chunk) for chunk in chunks))
 
     async def _write_error(self, response: web.StreamResponse, exc: APIError) -> None:
         try:
-            await response.write(sse_event(exc.body()))
+            await response.write(self.encode(exc.body()))
         except ConnectionResetError:
             pass
