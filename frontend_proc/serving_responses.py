@@ -142,7 +142,13 @@ class _EventEncoder:
 
     def __call__(self, event: dict[str, Any]) -> bytes:
         if "type" not in event and isinstance(event.get("error"), dict):
-            event = {"type": "error", **event["error"]}
+            error = event["error"]
+            event = {
+                "type": "error",
+                "code": error.get("code") or error.get("type"),
+                "message": error.get("message"),
+                "param": error.get("param"),
+            }
         event = {**event, "sequence_number": self.sequence_number}
         self.sequence_number += 1
         return b"event: " + event["type"].encode() + b"\ndata: " + jsonutil.dumps(event) + b"\n\n"

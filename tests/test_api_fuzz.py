@@ -110,8 +110,27 @@ chat_bodies = st.tuples(
         }
     ),
 ).map(lambda parts: {**parts[0], **parts[1]})
+response_bodies = st.tuples(
+    st.fixed_dictionaries(
+        {
+            "input": st.text(min_size=1, max_size=12) | st.lists(message, min_size=1, max_size=2),
+            "max_output_tokens": st.integers(1, 6),
+        }
+    ),
+    mutated(
+        {
+            "instructions": st.text(max_size=8),
+            "temperature": st.floats(0.0, 2.0),
+            "top_p": st.floats(0.01, 1.0),
+            "stream": st.booleans(),
+            "reasoning": st.fixed_dictionaries({"effort": st.sampled_from(["none", "low"])}),
+            "text": st.just({"format": {"type": "json_object"}}),
+        }
+    ),
+).map(lambda parts: {**parts[0], **parts[1]})
 requests_ = (
     st.tuples(st.just("/v1/completions"), completion_bodies)
+    | st.tuples(st.just("/v1/responses"), response_bodies | json_values)
     | st.tuples(st.just("/v1/chat/completions"), chat_bodies)
     | st.tuples(st.sampled_from(["/v1/completions", "/tokenize", "/detokenize"]), json_values)
     | st.tuples(st.just("/v1/chat/completions"), st.binary(max_size=40))

@@ -16,7 +16,7 @@ from frontend_proc.app import create_app
 from frontend_proc.errors import APIError
 from frontend_proc.responses_request import parse_responses_request
 from frontend_proc.serving_common import ServingContext
-from tests.fake_engine import MODEL, FakeEngine, config, delta
+from tests.fake_engine import BOOM, MODEL, FakeEngine, config, delta
 
 WEATHER = {
     "type": "function",
@@ -223,3 +223,23 @@ def test_cache_writes_are_the_full_blocks_a_prompt_computed():
     assert [ctx.cache_write_tokens(p, c) for p, c in ((9, 0), (40, 0), (40, 16), (48, 48))] == [0, 32, 16, 0]  # fmt: skip
     ctx.cache_block_size = 0  # no prefix cache
     assert ctx.cache_write_tokens(40, 0) == 0
+
+
+def test_a_stream_that_fails_ends_with_an_error_event():
+    def script(request):
+        return [delta(request.request_id, "Par", None, 9, 1), BOOM]
+
+    engine = FakeEngine(script)
+    engine.reasoning = False
+    status, raw = post(engine, {"input": "x", "stream": True})
+    events = events_of(raw)
+    assert status == 200 and events[-1]["type"] == "error"
+    assert events[-1]["message"] == "internal error: RuntimeError"
+    assert [e["type"] for e in events][:-1] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
+    assert engine.active == set()
