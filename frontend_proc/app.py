@@ -100,8 +100,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    model = routes_misc.model_card(request.app[CONTEXT_KEY])
-    return json_response({"object": "list", "data": [model]})
+    ctx = request.app[CONTEXT_KEY]
+    cards = [routes_misc.model_card(ctx, name) for name in ctx.served_model_names]
+    return json_response({"object": "list", "data": cards})
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -174,6 +175,7 @@ def create_app(
         vocab_size=config.model.vocab_size if config.model is not None else None,
         sampling_defaults=SamplingDefaults.from_dict(config.sampling_defaults),
         cache_block_size=config.block_size if config.enable_prefix_caching else 0,
+        model_aliases=tuple(config.served_model_aliases),
     )
     app[STATE_KEY] = state
     app[TOKENIZER_KEY] = tokenizer

@@ -19,6 +19,7 @@ from frontend_proc.sampling_defaults import SamplingDefaults
 from frontend_proc.schemas import (
     NEUTRAL_DEFAULTS,
     ChatCompletionRequest,
+    ModelNames,
     parse_chat_request,
     require_object,
 )
@@ -53,7 +54,7 @@ class ResponsesRequest:
 
 
 def parse_responses_request(
-    body: Any, served_model_name: str, defaults: SamplingDefaults = NEUTRAL_DEFAULTS
+    body: Any, served_model_names: ModelNames, defaults: SamplingDefaults = NEUTRAL_DEFAULTS
 ) -> ResponsesRequest:
     body = require_object(body)
     _refuse_unsupported(body)
@@ -81,7 +82,7 @@ def parse_responses_request(
         # Qwen3's switch; templates without it ignore the variable.
         kwargs = dict(get_object(chat, "chat_template_kwargs") or {})
         chat["chat_template_kwargs"] = {"enable_thinking": False, **kwargs}
-    request = parse_chat_request(chat, served_model_name, defaults)
+    request = parse_chat_request(chat, served_model_names, defaults)
     max_tool_calls = body.get("max_tool_calls")
     if max_tool_calls is not None:
         if not isinstance(max_tool_calls, int) or isinstance(max_tool_calls, bool):

@@ -21,9 +21,9 @@ from frontend_proc.unsupported import refuse_request_chat_template
 from pegainfer.protocol import DetokenizeRequest, TokenizeRequest, pack_ids, unpack_ids
 
 
-def model_card(ctx: ServingContext) -> dict[str, Any]:
+def model_card(ctx: ServingContext, name: str | None = None) -> dict[str, Any]:
     return {
-        "id": ctx.served_model_name,
+        "id": name or ctx.served_model_name,
         "object": "model",
         "created": ctx.created,
         "owned_by": "pegainfer",
@@ -70,9 +70,9 @@ def metrics_response(ctx: ServingContext, state: ServerState, engine: Any) -> we
 
 
 def get_model(ctx: ServingContext, model: str) -> web.Response:
-    if model != ctx.served_model_name:
+    if model not in ctx.served_model_names:
         raise model_not_found(model)
-    return json_response(model_card(ctx))
+    return json_response(model_card(ctx, model))
 
 
 async def reset_prefix_cache(engine: Any) -> web.Response:
@@ -97,7 +97,7 @@ def _require_tokenizer(tokenizer: TokenizerService | None) -> TokenizerService:
 
 def _check_model(body: dict[str, Any], ctx: ServingContext) -> None:
     model = get_str(body, "model", ctx.served_model_name)
-    if model != ctx.served_model_name:
+    if model not in ctx.served_model_names:
         raise model_not_found(model)
 
 

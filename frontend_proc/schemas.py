@@ -41,6 +41,8 @@ from frontend_proc.unsupported import (
 )
 from pegainfer.protocol import SamplingParams
 
+# The name a request must give the model, or the names it may (the first is the default).
+ModelNames = str | tuple[str, ...]
 # The most choices one request may ask for, as OpenAI allows.
 MAX_N = 128
 # The most top logprobs per token a request may ask for.
@@ -118,9 +120,12 @@ def require_object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _model(body: dict[str, Any], served_model_name: str) -> str:
-    model = get_str(body, "model", served_model_name)
-    if model != served_model_name:
+def _model(body: dict[str, Any], served_model_names: ModelNames) -> str:
+    """The model the request names, which must be one of the served names (the first if
+    it names none)."""
+    names = (served_model_names,) if isinstance(served_model_names, str) else served_model_names
+    model = get_str(body, "model", names[0])
+    if model not in names:
         raise model_not_found(model)
     return model
 
@@ -155,9 +160,12 @@ def _sampling(body: dict[str, Any], max_tokens: int, defaults: SamplingDefaults)
 
 
 def _common(
-    body: dict[str, Any], served_model_name: str, max_tokens: int, defaults: SamplingDefaults
+    body: dict[str, Any],
+    served_model_names: ModelNames,
+    max_tokens: int,
+    defaults: SamplingDefaults,
 ) -> CommonOptions:
-    model = _model(body, served_model_name)
+    model = _model(body, served_model_names)
     sampling = _sampling(body, max_tokens, defaults)
     extras = parse_engine_extras(body)
     sampling.allowed_token_ids = extras.allowed_token_ids
@@ -217,14 +225,14 @@ def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
 
 
 def parse_completion_request(
-    body: Any, served_model_name: str, defaults: SamplingDefaults = NEUTRAL_DEFAULTS
+    body: Any, served_model_names: ModelNames, defaults: SamplingDefaults = NEUTRAL_DEFAULTS
 ) -> CompletionRequest:
     body = require_object(body)
     if body.get("prompt") is None:
         raise invalid("'prompt' is required", "prompt")
     prompts = parse_prompt(body["prompt"])
     max_tokens = get_int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1, hi=MAX_INT32)
-    common = _common(body, served_model_name, max_tokens, defaults)
+    common = _common(body, served_model_names, max_tokens, defaults)
     refuse_unsupported_completion_fields(body, common.n)
     log_ignored_fields(body, COMPLETION_FIELDS)
     logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
@@ -270,7 +278,7 @@ def render_options(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def parse_chat_request(
-    body: Any, served_model_name: str, defaults: SamplingDefaults = NEUTRAL_DEFAULTS
+    body: Any, served_model_names: ModelNames, defaults: SamplingDefaults = NEUTRAL_DEFAULTS
 ) -> ChatCompletionRequest:
     body = require_object(body)
     if body.get("messages") is None:
@@ -284,7 +292,7 @@ def parse_chat_request(
     max_tokens = get_int(body, "max_tokens", FILL_CONTEXT, lo=1, hi=MAX_INT32)
     # The newer name wins: OpenAI deprecated max_tokens for chat in its favour.
     max_tokens = get_int(body, "max_completion_tokens", max_tokens, lo=1, hi=MAX_INT32)
-    common = _common(body, served_model_name, max_tokens, defaults)
+    common = _common(body, served_model_names, max_tokens, defaults)
     if forced is not None:
         if common.sampling.structured is not None:
             raise invalid(

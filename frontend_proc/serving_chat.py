@@ -51,7 +51,7 @@ def build_sub_requests(request_id: str, request: ChatCompletionRequest) -> list[
 async def create_chat_completion(
     http_request: web.Request, ctx: ServingContext, body: Any
 ) -> web.StreamResponse:
-    request = parse_chat_request(body, ctx.served_model_name, ctx.sampling_defaults)
+    request = parse_chat_request(body, ctx.served_model_names, ctx.sampling_defaults)
     request_id = new_request_id("chatcmpl")
     created = int(time.time())
     subs = build_sub_requests(request_id, request)

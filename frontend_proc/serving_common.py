@@ -53,6 +53,12 @@ class ServingContext:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # The prefix cache's block, in tokens; 0 without a prefix cache.
     cache_block_size: int = 0
+    model_aliases: tuple[str, ...] = ()  # other names requests may use
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name the model answers to, the one responses default to first."""
+        return (self.served_model_name, *self.model_aliases)
 
     def cache_write_tokens(self, prompt_tokens: int, cached_tokens: int) -> int:
         """The prompt tokens a request adds to the prefix cache: the full blocks it computed."""

@@ -133,7 +133,7 @@ def _all_logprobs(request: CompletionRequest, state: ChoiceState) -> dict[str, A
 async def create_completion(
     http_request: web.Request, ctx: ServingContext, body: Any
 ) -> web.StreamResponse:
-    request = parse_completion_request(body, ctx.served_model_name, ctx.sampling_defaults)
+    request = parse_completion_request(body, ctx.served_model_names, ctx.sampling_defaults)
     request_id = new_request_id("cmpl")
     created = int(time.time())
     subs = build_sub_requests(request_id, request, ctx)

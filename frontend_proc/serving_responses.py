@@ -88,7 +88,7 @@ class _Answer:
 async def create_response(
     http_request: web.Request, ctx: ServingContext, body: Any
 ) -> web.StreamResponse:
-    request = parse_responses_request(body, ctx.served_model_name, ctx.sampling_defaults)
+    request = parse_responses_request(body, ctx.served_model_names, ctx.sampling_defaults)
     answer = _Answer(request, item_id("resp"), ctx)
     subs = build_sub_requests(answer.response_id, request.chat)
     output = ChatOutput(request.chat, ctx.reasoning)

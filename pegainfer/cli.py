@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -47,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="branch, tag or commit of a model given by its Hub name, as cached",
     )
     model.add_argument(
-        "--served-model-name", default=None, help="model name in the API (default: the dir name)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model's name in the API (default: the directory's, or the Hub name); more "
+        "names are accepted in requests too, the first is the one responses give",
     )
     model.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
@@ -250,9 +255,17 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                 f"pegainfer: two models given: {args.model} and --model-path {model_path}"
             )
         model_path = args.model
+    names = args.served_model_name or []
+    if model_path is None and len(names) > 1 and os.path.isdir(names[-1]):
+        # "--served-model-name a /models/x" took the model for a name.
+        raise SystemExit(
+            f"pegainfer: {names[-1]} is a directory among the served model names; give the "
+            "model first (pegainfer MODEL --served-model-name ...) or with --model-path"
+        )
     return EngineConfig(
         model_path=model_path or "",
-        served_model_name=args.served_model_name or "",
+        served_model_name=args.served_model_name[0] if args.served_model_name else "",
+        served_model_aliases=list(args.served_model_name or [])[1:],
         host=args.host,
         port=args.port,
         device=args.device,

@@ -58,6 +58,8 @@ STAGE_SCHEDULER_READY = 2  # the scheduler is up, reasoning is known: the fronte
 class EngineConfig:
     model_path: str
     served_model_name: str
+    # More names requests may give the model by (--served-model-name's others).
+    served_model_aliases: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 8000
     device: str = "auto"  # auto | cpu | cuda | cuda:N

@@ -3,8 +3,15 @@ Errors, rejections and disconnects are tests/test_frontend_errors.py's."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from frontend_proc.app import create_app
+from pegainfer.cli import build_parser, config_from_args
 from pegainfer.protocol import unpack_ids
-from tests.fake_engine import MODEL, FakeEngine, run_with_client, sse_events
+from tests.fake_engine import MODEL, FakeEngine, config, run_with_client, sse_events
 
 
 def test_health_and_models():
@@ -220,3 +227,30 @@ def test_continuous_usage_stats_count_each_choice_in_every_chunk():
         assert all("usage" not in event for event in sse_events(await resp.text()))
 
     run_with_client(FakeEngine(), body)
+
+
+def test_a_model_served_under_several_names_answers_to_each():
+    async def body(client):
+        models = await (await client.get("/v1/models")).json()
+        assert [card["id"] for card in models["data"]] == [MODEL, "alias"]
+        assert (await client.get("/v1/models/alias")).status == 200
+        for name in (MODEL, "alias"):
+            resp = await client.post("/v1/completions", json={"prompt": "x", "model": name})
+            assert resp.status == 200 and (await resp.json())["model"] == name
+        resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+        assert (await resp.json())["model"] == MODEL  # no name given: the first
+        resp = await client.post("/v1/completions", json={"prompt": "x", "model": "other"})
+        assert resp.status == 404
+
+    async def main() -> None:
+        cfg = config()
+        cfg.served_model_aliases = ["alias"]
+        async with TestClient(TestServer(create_app(cfg, FakeEngine()))) as client:
+            await body(client)
+
+    asyncio.run(main())
+    args = build_parser().parse_args(["--served-model-name", "qwen3", "Qwen/Qwen3-4B"])
+    cfg = config_from_args(args)
+    assert (cfg.served_model_name, cfg.served_model_aliases) == ("qwen3", ["Qwen/Qwen3-4B"])
+    with pytest.raises(SystemExit, match="give the model first"):
+        config_from_args(build_parser().parse_args(["--served-model-name", "a", "/"]))
