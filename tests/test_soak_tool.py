@@ -57,7 +57,10 @@ def test_the_fill_sends_no_empty_prompt_and_reaches_its_total(capsys):
 
 def test_the_mix_takes_every_sampling_path_and_some_invalid_requests():
     rng = random.Random(0)
-    bodies = [soak_mix.request_body(rng)[1] for _ in range(2000)]
+    drawn = [soak_mix.request_body(rng) for _ in range(2000)]
+    bodies = [body for _, body in drawn]
+    responses = [body for path, body in drawn if path == "/v1/responses"]
+    assert len(responses) > 40 and all("input" in body for body in responses)
     invalid = [b for b in bodies if b.get("max_tokens") == -1]
     valid = [b for b in bodies if b.get("max_tokens") != -1]
     assert 40 < len(invalid) < 160

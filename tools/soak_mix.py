@@ -1,5 +1,5 @@
-"""The soak test's request mix (tools/soak.py) and the clients that send it: completions and
-chats, streamed or not, across the sampling paths, constraints and extensions a server
+"""The soak test's request mix (tools/soak.py) and the clients that send it: completions,
+chats and responses (the Responses API), streamed or not, across the sampling paths, constraints and extensions a server
 keeps per-request state for; some cancelled halfway, some invalid on purpose. Each answer
 is counted as served, refused, cancelled or failed."""
 
@@ -141,6 +141,11 @@ def request_body(rng: random.Random) -> tuple[str, dict]:
         common["tools"] = [WEATHER_TOOL]
         if rng.random() < 0.3 and not any(key in common for key in CONSTRAINT_FIELDS):
             common["tool_choice"] = rng.choice(["required", NAMED_WEATHER])
+    plain = not {"tools", "min_tokens", *CONSTRAINT_FIELDS} & set(common)
+    if plain and rng.random() < 0.3:  # the same conversation through the Responses API
+        common.pop("stream_options", None)
+        common["max_output_tokens"] = common.pop("max_tokens")
+        return "/v1/responses", {"input": messages, **common}
     return "/v1/chat/completions", {"messages": messages, **common}
 
 
@@ -165,7 +170,10 @@ def client_loop(
                 continue
             if not body.get("stream"):
                 usage = json.loads(response.read()).get("usage") or {}
-                counters.add("ok", usage.get("completion_tokens", 0))
+                counters.add("ok", usage.get("completion_tokens", usage.get("output_tokens", 0)))
+                continue
+            if path == "/v1/responses":
+                _read_response_events(response, cancel_after, counters)
                 continue
             events = 0
             for line in response:
@@ -186,3 +194,25 @@ def client_loop(
             time.sleep(0.5)
         finally:
             conn.close()
+
+
+def _read_response_events(
+    response: http.client.HTTPResponse, cancel_after: int | None, counters: Counters
+) -> None:
+    """A Responses stream: served once its last event (completed or incomplete) is in."""
+    events = 0
+    for line in response:
+        if not line.startswith(b"data: "):
+            continue
+        events += 1
+        if cancel_after is not None and events >= cancel_after:
+            counters.add("cancelled")
+            return
+        event = json.loads(line[len(b"data: ") :])
+        if event["type"] == "error":
+            counters.add("failed", error=line[:200].decode(errors="replace"))
+            return
+        if event["type"] in ("response.completed", "response.incomplete"):
+            counters.add("ok", event["response"]["usage"]["output_tokens"])
+            return
+    counters.add("failed", error="a response stream ended before its last event")
