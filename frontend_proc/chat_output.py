@@ -40,6 +40,8 @@ class ChatOutput:
             fields["content"] = content if content or not calls else None
             fields["tool_calls"] = calls
             state.finish_reason = finish_reason(state.finish_reason, calls)
+        if request.echo_prefix:
+            fields["content"] = request.echo_prefix + (fields["content"] or "")
         return fields
 
     def stream(self) -> ChoiceStream:
@@ -53,6 +55,7 @@ class ChoiceStream:
         request = output.request
         self.request = request
         self.reasoning_parser = ReasoningParser() if output.reasoning else None
+        self.echo_pending = request.echo_prefix
         self.tool_parser: Any = None
         if request.forced_calls is not None:
             self.tool_parser = request.forced_calls.parser()
@@ -82,6 +85,8 @@ class ChoiceStream:
                 calls += more_calls
             if calls:
                 fields["tool_calls"] = calls
+        if self.echo_pending:
+            content, self.echo_pending = self.echo_pending + content, ""
         if content:
             fields["content"] = content
         return fields

@@ -112,6 +112,8 @@ class ChatCompletionRequest:
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top ones
     add_special_tokens: bool = False  # over what the template writes
+    # vLLM's echo: the last message, the assistant's, opens the answer's content.
+    echo_prefix: str = ""
 
 
 def require_object(body: Any) -> dict[str, Any]:
@@ -277,6 +279,15 @@ def render_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return add_generation_prompt, continue_final_message
 
 
+def _chat_echo(body: dict[str, Any], messages: list[dict[str, Any]]) -> str:
+    """vLLM's ``echo`` for chat: the conversation's last message, when it is the assistant's
+    (an answer the model goes on), is repeated at the start of the answer."""
+    if not get_bool(body, "echo", False) or messages[-1].get("role") != "assistant":
+        return ""
+    content = messages[-1].get("content")
+    return content if isinstance(content, str) else ""
+
+
 def parse_chat_request(
     body: Any, served_model_names: ModelNames, defaults: SamplingDefaults = NEUTRAL_DEFAULTS
 ) -> ChatCompletionRequest:
@@ -329,4 +340,5 @@ def parse_chat_request(
         return_tokens_as_token_ids=common.return_tokens_as_token_ids,
         prompt_logprobs=common.prompt_logprobs,
         add_special_tokens=bool(common.add_special_tokens),
+        echo_prefix=_chat_echo(body, messages),
     )

@@ -70,7 +70,7 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "return_toke
 COMPLETION_FIELDS |= {"suffix", "best_of"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 CHAT_FIELDS |= {"chat_template_kwargs", "add_generation_prompt", "tools", "tool_choice"}
-CHAT_FIELDS |= {"continue_final_message", "parallel_tool_calls", "include_reasoning"}
+CHAT_FIELDS |= {"continue_final_message", "parallel_tool_calls", "include_reasoning", "echo"}
 CHAT_FIELDS |= {"functions", "function_call", "audio", "modalities", "chat_template"}
 # OpenAI fields that change nothing a server like this one returns.
 _NO_EFFECT = frozenset(("store", "metadata", "service_tier"))

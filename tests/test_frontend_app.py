@@ -254,3 +254,24 @@ def test_a_model_served_under_several_names_answers_to_each():
     assert (cfg.served_model_name, cfg.served_model_aliases) == ("qwen3", ["Qwen/Qwen3-4B"])
     with pytest.raises(SystemExit, match="give the model first"):
         config_from_args(build_parser().parse_args(["--served-model-name", "a", "/"]))
+
+
+def test_chat_echo_opens_the_answer_with_the_assistants_last_message():
+    messages = [{"role": "user", "content": "Tell"}, {"role": "assistant", "content": "Once"}]
+    going_on = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+
+    async def body(client):
+        resp = await client.post("/v1/chat/completions", json={"messages": messages, **going_on})
+        assert (await resp.json())["choices"][0]["message"]["content"] == "Oncec0!"
+        resp = await client.post(
+            "/v1/chat/completions", json={"messages": messages, "stream": True, **going_on}
+        )
+        deltas = [e["choices"][0]["delta"] for e in sse_events(await resp.text())]
+        assert [d.get("content") for d in deltas] == ["", "Oncec0", "!"]
+        # The last message is the user's: nothing to echo.
+        resp = await client.post(
+            "/v1/chat/completions", json={"messages": messages[:1], "echo": True}
+        )
+        assert (await resp.json())["choices"][0]["message"]["content"] == "c0!"
+
+    run_with_client(FakeEngine(), body)
