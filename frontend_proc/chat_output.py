@@ -6,10 +6,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from frontend_proc.logprobs import TokenEntry
 from frontend_proc.reasoning import ReasoningParser, split_reasoning
 from frontend_proc.schemas import ChatCompletionRequest
 from frontend_proc.serving_common import ChoiceState
-from frontend_proc.tool_calls import ToolCallParser, finish_reason, split_tool_calls
+from frontend_proc.tool_calls import (
+    CALL_END,
+    CALL_START,
+    ToolCallParser,
+    finish_reason,
+    split_tool_calls,
+)
 from pegainfer.protocol import TextDelta
 
 
@@ -46,6 +53,9 @@ class ChatOutput:
 
     def stream(self) -> ChoiceStream:
         return ChoiceStream(self)
+
+    def content_tokens(self) -> ContentTokens:
+        return ContentTokens(self)
 
 
 class ChoiceStream:
@@ -100,3 +110,54 @@ class ChoiceStream:
         if self.tool_parser is not None:
             return finish_reason(reason, self.tool_parser.calls)
         return reason
+
+
+class ContentTokens:
+    """Which output tokens write the answer's content, not its reasoning or its tool calls:
+    decided in order, from each token's text (a think tag or a tool-call tag of its own, as
+    Qwen3's tokenizer has them). Tokens before the output shows whether it thinks wait."""
+
+    def __init__(self, output: ChatOutput) -> None:
+        self.reasoning_parser = ReasoningParser() if output.reasoning else None
+        self.forced = output.request.forced_calls is not None  # the answer is all calls
+        self.tools = output.request.tools is not None
+        self.in_call = False
+        self.undecided: list[TokenEntry] = []
+
+    def start_in_reasoning(self) -> None:
+        if self.reasoning_parser is not None:
+            self.reasoning_parser.start_in_reasoning()
+
+    def take(self, entries: list[TokenEntry]) -> list[TokenEntry]:
+        """The content tokens among these, and among those that waited, now decided."""
+        return [chosen for entry in entries for chosen in self._decide(entry)]
+
+    def flush(self) -> list[TokenEntry]:
+        """The output ended before deciding: what waited was content, as its text is."""
+        waited, self.undecided = self.undecided, []
+        return [entry for entry in waited if self._outside_calls(entry.text)]
+
+    def _decide(self, entry: TokenEntry) -> list[TokenEntry]:
+        if self.forced:
+            return []
+        parser = self.reasoning_parser
+        if parser is not None and not parser.in_content:
+            parser.feed(entry.text)
+            if not parser.in_content and not parser.saw_think:
+                self.undecided.append(entry)
+                return []
+            waited, self.undecided = self.undecided, []
+            if parser.saw_think:
+                return []  # reasoning, or the tag that closes it
+            return [e for e in [*waited, entry] if self._outside_calls(e.text)]
+        return [entry] if self._outside_calls(entry.text) else []
+
+    def _outside_calls(self, text: str) -> bool:
+        if not self.tools:
+            return True
+        if CALL_START in text:
+            self.in_call = True
+        inside = self.in_call
+        if CALL_END in text:
+            self.in_call = False
+        return not inside

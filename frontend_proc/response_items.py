@@ -21,6 +21,8 @@ class ResponseItems:
         self.events: list[dict[str, Any]] = []  # not yet sent; a whole answer drops them
         self._open: dict[str, Any] | None = None
         self._open_text: list[str] = []  # the open item's text, or a call's arguments
+        self._open_logprobs: list[dict[str, Any]] = []  # the open message's tokens'
+        self._pending_logprobs: list[dict[str, Any]] = []  # content tokens whose text is held
 
     # -- what the model wrote ----------------------------------------------------------------
 
@@ -39,8 +41,11 @@ class ResponseItems:
         self._open_text.append(text)
         self._event("response.reasoning_text.delta", content_index=0, delta=text)
 
-    def content(self, text: str) -> None:
+    def content(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> None:
+        """More of the message's text, and the logprobs of the tokens that wrote it (tokens
+        whose text is still held back wait for it)."""
         if not text:
+            self._pending_logprobs.extend(logprobs or [])
             return
         if self._kind() != "message":
             item = {
@@ -52,7 +57,9 @@ class ResponseItems:
             }
             self._start(item, {"type": "output_text", "text": "", "annotations": []})
         self._open_text.append(text)
-        self._event("response.output_text.delta", content_index=0, delta=text, logprobs=[])
+        logprobs, self._pending_logprobs = self._pending_logprobs + list(logprobs or []), []
+        self._open_logprobs.extend(logprobs)
+        self._event("response.output_text.delta", content_index=0, delta=text, logprobs=logprobs)
 
     def call(self, call_id: str, name: str, arguments: str = "") -> None:
         item = {
@@ -72,11 +79,14 @@ class ResponseItems:
         self._open_text.append(text)
         self._event("response.function_call_arguments.delta", delta=text)
 
-    def chat_fields(self, fields: dict[str, Any]) -> None:
+    def chat_fields(
+        self, fields: dict[str, Any], logprobs: list[dict[str, Any]] | None = None
+    ) -> None:
         """One streamed chat delta's ``reasoning_content``, ``content`` and ``tool_calls``
-        (a call's first delta names it; later ones carry more of its arguments)."""
+        (a call's first delta names it; later ones carry more of its arguments), and the
+        logprobs of its content tokens."""
         self.reasoning(fields.get("reasoning_content", ""))
-        self.content(fields.get("content", ""))
+        self.content(fields.get("content", ""), logprobs)
         for call in fields.get("tool_calls", []):
             function = call.get("function", {})
             if call.get("id"):
@@ -84,10 +94,13 @@ class ResponseItems:
             else:
                 self.arguments(function.get("arguments", ""))
 
-    def message(self, message: dict[str, Any]) -> None:
-        """A whole assistant message (``ChatOutput.message``)."""
+    def message(
+        self, message: dict[str, Any], logprobs: list[dict[str, Any]] | None = None
+    ) -> None:
+        """A whole assistant message (``ChatOutput.message``), and its content tokens'
+        logprobs."""
         self.reasoning(message.get("reasoning_content") or "")
-        self.content(message.get("content") or "")
+        self.content(message.get("content") or "", logprobs)
         for call in message.get("tool_calls") or []:
             self.call(call["id"], call["function"]["name"], call["function"]["arguments"])
 
@@ -103,9 +116,11 @@ class ResponseItems:
             item["content"] = [part]
             self._event("response.reasoning_text.done", content_index=0, text=text)
         elif item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            logprobs = self._open_logprobs + self._pending_logprobs
+            self._pending_logprobs = []
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
             item["content"] = [part]
-            self._event("response.output_text.done", content_index=0, text=text, logprobs=[])
+            self._event("response.output_text.done", content_index=0, text=text, logprobs=logprobs)
             self._event("response.content_part.done", content_index=0, part=part)
         else:
             item["arguments"] = text
@@ -118,7 +133,7 @@ class ResponseItems:
                 "item": item,
             }
         )
-        self._open, self._open_text = None, []
+        self._open, self._open_text, self._open_logprobs = None, [], []
 
     # -- the open item ---------------------------------------------------------------------
 

@@ -43,12 +43,16 @@ _READ = (
     ).split()
 )
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+# What ``include`` names to have the message's tokens' logprobs returned.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 @dataclass
 class ResponsesRequest:
     chat: ChatCompletionRequest
     stream: bool
+    # The message's tokens' logprobs, with this many alternatives each; None: not asked.
+    logprobs: int | None = None
     # What the response object repeats of the request.
     echo: dict[str, Any] = field(default_factory=dict)
 
@@ -77,6 +81,15 @@ def parse_responses_request(
         response_format = _chat_response_format(text["format"])
         if response_format is not None:
             chat["response_format"] = response_format
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise invalid("'include' must be a list", "include")
+    top_logprobs = body.get("top_logprobs")
+    wants_logprobs = LOGPROBS_INCLUDE in include or bool(top_logprobs)
+    if wants_logprobs:
+        chat["logprobs"] = True
+        if top_logprobs is not None:
+            chat["top_logprobs"] = top_logprobs
     reasoning = get_object(body, "reasoning")
     if reasoning is not None and reasoning.get("effort") == "none":
         # Qwen3's switch; templates without it ignore the variable.
@@ -105,8 +118,14 @@ def parse_responses_request(
         "user": body.get("user"),
         "store": False,
         "truncation": "disabled",
+        "top_logprobs": request.top_logprobs or 0,
     }
-    return ResponsesRequest(chat=request, stream=get_bool(body, "stream", False), echo=echo)
+    return ResponsesRequest(
+        chat=request,
+        stream=get_bool(body, "stream", False),
+        logprobs=(request.top_logprobs or 0) if wants_logprobs else None,
+        echo=echo,
+    )
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -125,11 +144,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         raise invalid(
             "only 'truncation': 'disabled' is supported: an input longer than the context is a 400",
             "truncation",
-        )
-    if body.get("top_logprobs"):
-        raise invalid(
-            "'top_logprobs' is not supported here; /v1/chat/completions returns logprobs",
-            "top_logprobs",
         )
 
 

@@ -14,6 +14,7 @@ from frontend_proc import jsonutil
 from frontend_proc.chat_output import ChatOutput
 from frontend_proc.errors import APIError
 from frontend_proc.fanout import FanOut
+from frontend_proc.logprobs import TokenEntry, chat_logprobs
 from frontend_proc.reasoning import ReasoningTokenCounter
 from frontend_proc.response_items import ResponseItems, item_id
 from frontend_proc.responses_request import ResponsesRequest, parse_responses_request
@@ -92,13 +93,30 @@ async def create_response(
     answer = _Answer(request, item_id("resp"), ctx)
     subs = build_sub_requests(answer.response_id, request.chat)
     output = ChatOutput(request.chat, ctx.reasoning)
+    content_tokens = output.content_tokens() if request.logprobs is not None else None
+
+    def content_logprobs(
+        entries: list[TokenEntry], starts_in_reasoning: bool, last: bool
+    ) -> list[Any]:
+        """The logprobs of the tokens, of these and of those that waited, that write the
+        message's text (``last``: the output's last tokens)."""
+        if content_tokens is None:
+            return []
+        if starts_in_reasoning:
+            content_tokens.start_in_reasoning()
+        chosen = content_tokens.take([e for e in entries if e.logprob is not None])
+        if last:
+            chosen += content_tokens.flush()
+        return chat_logprobs(chosen, request.logprobs or 0)["content"]
 
     if not request.stream:
         async with FanOut(ctx.engine, subs) as fan:
             async for _, delta in fan:
                 answer.state.update(delta)
                 answer.count(delta)
-        answer.items.message(output.message(answer.state))
+        state = answer.state
+        logprobs = content_logprobs(state.logprobs, state.starts_in_reasoning, True)
+        answer.items.message(output.message(state), logprobs)
         answer.items.close(answer.incomplete)
         return json_response(answer.body())
 
@@ -112,7 +130,9 @@ async def create_response(
 
     def events_for(index: int, delta: TextDelta, state: ChoiceState) -> list[dict[str, Any]]:
         answer.count(delta)
-        answer.items.chat_fields(stream.fields(delta))
+        finished = delta.finish_reason is not None
+        logprobs = content_logprobs(state.new_logprobs, delta.starts_in_reasoning, finished)
+        answer.items.chat_fields(stream.fields(delta), logprobs)
         if delta.finish_reason is not None:
             answer.items.close(answer.incomplete)
             kind = "response.incomplete" if answer.incomplete else "response.completed"

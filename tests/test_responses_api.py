@@ -16,6 +16,7 @@ from frontend_proc.app import create_app
 from frontend_proc.errors import APIError
 from frontend_proc.responses_request import parse_responses_request
 from frontend_proc.serving_common import ServingContext
+from pegainfer.protocol import TokenLogprobs, pack_floats, pack_ids
 from tests.fake_engine import BOOM, MODEL, FakeEngine, config, delta
 
 WEATHER = {
@@ -98,7 +99,8 @@ def test_formats_tool_choices_and_reasoning_effort_map_to_their_chat_forms():
         ({"input": "x", "conversation": "conv_1"}, "conversation", "not stored"),
         ({"input": "x", "background": True}, "background", "background"),
         ({"input": "x", "truncation": "auto"}, "truncation", "disabled"),
-        ({"input": "x", "top_logprobs": 3}, "top_logprobs", "chat/completions"),
+        ({"input": "x", "top_logprobs": 21}, "top_logprobs", "at most 20"),
+        ({"input": "x", "include": "all"}, "include", "a list"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "'web_search'"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
@@ -243,3 +245,59 @@ def test_a_stream_that_fails_ends_with_an_error_event():
         "response.output_text.delta",
     ]
     assert engine.active == set()
+
+
+def with_logprobs(script_text: list[str], reasoning: bool = True) -> FakeEngine:
+    """Each scripted token with its logprob (-0.5) and itself as the one alternative."""
+    engine = serve(script_text, reasoning=reasoning)
+    plain = engine.script
+
+    def script(request):
+        deltas = plain(request)
+        for index, item in enumerate(deltas):
+            data = item.text.encode()
+            item.logprobs = TokenLogprobs(
+                start=index,
+                token_ids=pack_ids([index]),
+                logprobs=pack_floats([-0.5]),
+                num_top=1,
+                top_ids=pack_ids([index]),
+                top_logprobs=pack_floats([-0.5]),
+                token_bytes=[data, data],
+            )
+        return deltas
+
+    engine.script = script
+    return engine
+
+
+LOGPROBS = {"include": ["message.output_text.logprobs"], "top_logprobs": 1}
+
+
+def test_the_messages_tokens_logprobs_leave_out_reasoning_and_calls():
+    texts = ["<think>", "Hm", "</think>", "\n\nCall", " it:", CALL]
+    body = {"input": "x", "tools": [WEATHER], **LOGPROBS}
+    status, raw = post(with_logprobs(texts), body)
+    response = Response.model_validate_json(raw)
+    assert response.top_logprobs == 1
+    part = response.output[1].content[0]
+    assert [lp.token for lp in part.logprobs] == ["\n\nCall", " it:"]
+    assert part.logprobs[0].logprob == -0.5 and len(part.logprobs[0].top_logprobs) == 1
+    # Streamed: the same tokens, each with the delta it wrote.
+    status, raw = post(with_logprobs(texts), {**body, "stream": True})
+    events = events_of(raw)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [[lp["token"] for lp in e["logprobs"]] for e in deltas] == [["\n\nCall"], [" it:"]]
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert [lp["token"] for lp in done["logprobs"]] == ["\n\nCall", " it:"]
+    final = Response.model_validate(events[-1]["response"])
+    assert final.output[1].content[0].logprobs == part.logprobs
+    # Not asked: none.
+    status, raw = post(with_logprobs(texts), {"input": "x", "tools": [WEATHER]})
+    assert Response.model_validate_json(raw).output[1].content[0].logprobs == []
+
+
+def test_a_model_that_does_not_reason_has_every_token_in_its_message():
+    status, raw = post(with_logprobs(["Par", "is"], reasoning=False), {"input": "x", **LOGPROBS})
+    part = Response.model_validate_json(raw).output[0].content[0]
+    assert [lp.token for lp in part.logprobs] == ["Par", "is"]

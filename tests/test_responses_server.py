@@ -115,3 +115,26 @@ def test_a_named_tool_choice_comes_back_as_a_function_call_item(client, model):
         ],
     )
     assert again.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_the_messages_logprobs_match_the_chat_endpoints(client, model):
+    kwargs = dict(model=model, temperature=0, max_output_tokens=5, reasoning={"effort": "none"})
+    response = client.responses.create(
+        input="Name a colour.", include=["message.output_text.logprobs"], top_logprobs=2, **kwargs
+    )
+    (message,) = response.output
+    logprobs = message.content[0].logprobs
+    assert len(logprobs) == response.usage.output_tokens == 5
+    assert "".join(lp.token for lp in logprobs) == response.output_text
+    assert all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    chat = client.chat.completions.create(
+        model=model,
+        temperature=0,
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    expected = [(lp.token, lp.logprob) for lp in chat.choices[0].logprobs.content]
+    assert [(lp.token, lp.logprob) for lp in logprobs] == expected
