@@ -183,5 +183,9 @@ def test_fuzzed_bodies_get_200_or_4xx_never_5xx(server, request):
     elif raw.startswith(b"data: "):
         assert raw.endswith(b"data: [DONE]\n\n")
         assert b'"server_error"' not in raw, raw[-500:]
+    elif raw.startswith(b"event: "):  # a Responses stream ends with the whole response
+        last = raw.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+        assert last.startswith((b"event: response.completed", b"event: response.incomplete"))
+        assert b"event: error" not in raw, raw[-500:]
     else:
         json.loads(raw)
