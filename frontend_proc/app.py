@@ -174,6 +174,7 @@ def create_app(
         reasoning=reasoning,
         vocab_size=config.model.vocab_size if config.model is not None else None,
         sampling_defaults=SamplingDefaults.from_dict(config.sampling_defaults),
+        max_logprobs=config.max_logprobs,
         cache_block_size=config.block_size if config.enable_prefix_caching else 0,
         model_aliases=tuple(config.served_model_aliases),
     )

@@ -17,6 +17,7 @@ from frontend_proc.errors import invalid
 from frontend_proc.fields import get_bool, get_object, get_str, type_name
 from frontend_proc.sampling_defaults import SamplingDefaults
 from frontend_proc.schemas import (
+    DEFAULT_MAX_LOGPROBS,
     NEUTRAL_DEFAULTS,
     ChatCompletionRequest,
     ModelNames,
@@ -58,7 +59,10 @@ class ResponsesRequest:
 
 
 def parse_responses_request(
-    body: Any, served_model_names: ModelNames, defaults: SamplingDefaults = NEUTRAL_DEFAULTS
+    body: Any,
+    served_model_names: ModelNames,
+    defaults: SamplingDefaults = NEUTRAL_DEFAULTS,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
 ) -> ResponsesRequest:
     body = require_object(body)
     _refuse_unsupported(body)
@@ -95,7 +99,7 @@ def parse_responses_request(
         # Qwen3's switch; templates without it ignore the variable.
         kwargs = dict(get_object(chat, "chat_template_kwargs") or {})
         chat["chat_template_kwargs"] = {"enable_thinking": False, **kwargs}
-    request = parse_chat_request(chat, served_model_names, defaults)
+    request = parse_chat_request(chat, served_model_names, defaults, max_logprobs)
     max_tool_calls = body.get("max_tool_calls")
     if max_tool_calls is not None:
         if not isinstance(max_tool_calls, int) or isinstance(max_tool_calls, bool):

@@ -43,10 +43,10 @@ from pegainfer.protocol import SamplingParams
 
 # The name a request must give the model, or the names it may (the first is the default).
 ModelNames = str | tuple[str, ...]
+# The most top logprobs a token may ask for, unless --max-logprobs says otherwise (OpenAI's).
+DEFAULT_MAX_LOGPROBS = 20
 # The most choices one request may ask for, as OpenAI allows.
 MAX_N = 128
-# The most top logprobs per token a request may ask for.
-MAX_LOGPROBS = 20
 # Chat without max_tokens: "fill the remaining context", resolved by the tokenizer process.
 FILL_CONTEXT = -1
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -166,6 +166,7 @@ def _common(
     served_model_names: ModelNames,
     max_tokens: int,
     defaults: SamplingDefaults,
+    max_logprobs: int,
 ) -> CommonOptions:
     model = _model(body, served_model_names)
     sampling = _sampling(body, max_tokens, defaults)
@@ -192,7 +193,7 @@ def _common(
         continuous_usage = include_usage and get_bool(
             stream_options, "continuous_usage_stats", False
         )
-    prompt_logprobs = _prompt_logprobs(body, stream)
+    prompt_logprobs = _prompt_logprobs(body, stream, max_logprobs)
     sampling.prompt_logprobs = prompt_logprobs
     return CommonOptions(
         model=model,
@@ -209,16 +210,26 @@ def _common(
     )
 
 
-def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
-    """vLLM's ``prompt_logprobs``: the top count per prompt token, or None. A stream has no
-    place for them, so there only 0 is accepted, as vLLM accepts it, and it asks nothing."""
+def logprobs_limit(max_logprobs: int) -> int:
+    """The most top logprobs a token may ask for (--max-logprobs; -1: no limit but the
+    vocabulary)."""
+    return MAX_INT32 if max_logprobs < 0 else max_logprobs
+
+
+def _prompt_logprobs(body: dict[str, Any], stream: bool, max_logprobs: int) -> int | None:
+    """vLLM's ``prompt_logprobs``: the top count per prompt token, or None (-1: the whole
+    vocabulary, where --max-logprobs allows it). A stream has no place for them, so there
+    only 0 is accepted, as vLLM accepts it, and it asks nothing."""
+    limit = logprobs_limit(max_logprobs)
     if body.get("prompt_logprobs") == -1:
-        raise invalid(
-            f"'prompt_logprobs' -1 (the whole vocabulary) is not supported; "
-            f"ask for at most {MAX_LOGPROBS}",
-            "prompt_logprobs",
-        )
-    value = get_int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+        if max_logprobs >= 0:
+            raise invalid(
+                f"'prompt_logprobs' -1 (the whole vocabulary) is more than this server "
+                f"returns: at most {max_logprobs} (--max-logprobs)",
+                "prompt_logprobs",
+            )
+        body = {**body, "prompt_logprobs": limit}  # the worker stops at the vocabulary
+    value = get_int(body, "prompt_logprobs", None, lo=0, hi=limit)
     if value is None or not stream:
         return value
     if value > 0:
@@ -227,17 +238,20 @@ def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
 
 
 def parse_completion_request(
-    body: Any, served_model_names: ModelNames, defaults: SamplingDefaults = NEUTRAL_DEFAULTS
+    body: Any,
+    served_model_names: ModelNames,
+    defaults: SamplingDefaults = NEUTRAL_DEFAULTS,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
 ) -> CompletionRequest:
     body = require_object(body)
     if body.get("prompt") is None:
         raise invalid("'prompt' is required", "prompt")
     prompts = parse_prompt(body["prompt"])
     max_tokens = get_int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1, hi=MAX_INT32)
-    common = _common(body, served_model_names, max_tokens, defaults)
+    common = _common(body, served_model_names, max_tokens, defaults, max_logprobs)
     refuse_unsupported_completion_fields(body, common.n)
     log_ignored_fields(body, COMPLETION_FIELDS)
-    logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    logprobs = get_int(body, "logprobs", None, lo=0, hi=logprobs_limit(max_logprobs))
     common.sampling.logprobs = logprobs
     echo = get_bool(body, "echo", False)
     if echo and any(not isinstance(prompt, str) for prompt in prompts):
@@ -289,7 +303,10 @@ def _chat_echo(body: dict[str, Any], messages: list[dict[str, Any]]) -> str:
 
 
 def parse_chat_request(
-    body: Any, served_model_names: ModelNames, defaults: SamplingDefaults = NEUTRAL_DEFAULTS
+    body: Any,
+    served_model_names: ModelNames,
+    defaults: SamplingDefaults = NEUTRAL_DEFAULTS,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
 ) -> ChatCompletionRequest:
     body = require_object(body)
     if body.get("messages") is None:
@@ -303,7 +320,7 @@ def parse_chat_request(
     max_tokens = get_int(body, "max_tokens", FILL_CONTEXT, lo=1, hi=MAX_INT32)
     # The newer name wins: OpenAI deprecated max_tokens for chat in its favour.
     max_tokens = get_int(body, "max_completion_tokens", max_tokens, lo=1, hi=MAX_INT32)
-    common = _common(body, served_model_names, max_tokens, defaults)
+    common = _common(body, served_model_names, max_tokens, defaults, max_logprobs)
     if forced is not None:
         if common.sampling.structured is not None:
             raise invalid(
@@ -311,7 +328,8 @@ def parse_chat_request(
             )
         common.sampling.structured = forced.constraint
     logprobs = get_bool(body, "logprobs", False)
-    top_logprobs = get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    limit = logprobs_limit(max_logprobs)
+    top_logprobs = get_int(body, "top_logprobs", None, lo=0, hi=limit)
     if top_logprobs is not None and not logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
     if logprobs:

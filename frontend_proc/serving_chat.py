@@ -51,7 +51,9 @@ def build_sub_requests(request_id: str, request: ChatCompletionRequest) -> list[
 async def create_chat_completion(
     http_request: web.Request, ctx: ServingContext, body: Any
 ) -> web.StreamResponse:
-    request = parse_chat_request(body, ctx.served_model_names, ctx.sampling_defaults)
+    request = parse_chat_request(
+        body, ctx.served_model_names, ctx.sampling_defaults, ctx.max_logprobs
+    )
     request_id = new_request_id("chatcmpl")
     created = int(time.time())
     subs = build_sub_requests(request_id, request)

@@ -54,6 +54,7 @@ class ServingContext:
     # The prefix cache's block, in tokens; 0 without a prefix cache.
     cache_block_size: int = 0
     model_aliases: tuple[str, ...] = ()  # other names requests may use
+    max_logprobs: int = 20  # top logprobs a token may ask for (--max-logprobs; -1: all)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -133,7 +133,9 @@ def _all_logprobs(request: CompletionRequest, state: ChoiceState) -> dict[str, A
 async def create_completion(
     http_request: web.Request, ctx: ServingContext, body: Any
 ) -> web.StreamResponse:
-    request = parse_completion_request(body, ctx.served_model_names, ctx.sampling_defaults)
+    request = parse_completion_request(
+        body, ctx.served_model_names, ctx.sampling_defaults, ctx.max_logprobs
+    )
     request_id = new_request_id("cmpl")
     created = int(time.time())
     subs = build_sub_requests(request_id, request, ctx)

@@ -89,7 +89,9 @@ class _Answer:
 async def create_response(
     http_request: web.Request, ctx: ServingContext, body: Any
 ) -> web.StreamResponse:
-    request = parse_responses_request(body, ctx.served_model_names, ctx.sampling_defaults)
+    request = parse_responses_request(
+        body, ctx.served_model_names, ctx.sampling_defaults, ctx.max_logprobs
+    )
     answer = _Answer(request, item_id("resp"), ctx)
     subs = build_sub_requests(answer.response_id, request.chat)
     output = ChatOutput(request.chat, ctx.reasoning)

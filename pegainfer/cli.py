@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         "where the model has a tool-call format",
     )
     model.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="the most top logprobs a token may ask for (logprobs, top_logprobs, "
+        "prompt_logprobs); -1: the whole vocabulary",
+    )
+    model.add_argument(
         "--max-model-len",
         type=int,
         default=0,
@@ -240,6 +247,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             raise SystemExit(f"pegainfer: --{name.replace('_', '-')} must be at least 1")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise SystemExit("pegainfer: --gpu-memory-utilization must be in (0, 1]")
+    if args.max_logprobs < -1:
+        raise SystemExit("pegainfer: --max-logprobs must be at least -1")
     if not args.grammar_compile_timeout >= 0:  # NaN too
         raise SystemExit("pegainfer: --grammar-compile-timeout must be at least 0")
     try:
@@ -291,6 +300,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         revision=args.revision,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
+        max_logprobs=args.max_logprobs,
         log_level=args.log_level,
         **node_options(args),
     )

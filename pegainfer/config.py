@@ -97,6 +97,8 @@ class EngineConfig:
     # "auto": tool calls parsed where the chat template writes <tool_call> blocks; a named
     # parser ("hermes", "qwen25") requires that it does.
     tool_call_parser: str = "auto"
+    # The most top logprobs a token may come with; -1: the whole vocabulary.
+    max_logprobs: int = 20
     # Set by the launcher: the resolved defaults that differ from the API's neutral ones.
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     log_level: str = "info"

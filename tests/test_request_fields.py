@@ -4,12 +4,18 @@ tests/test_api_endpoints.py)."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from frontend_proc.app import create_app
 from frontend_proc.errors import APIError
+from frontend_proc.fields import MAX_INT32
 from frontend_proc.logprobs import TokenEntry, prompt_logprobs_field
 from frontend_proc.schemas import parse_chat_request, parse_completion_request
-from tests.fake_engine import FakeEngine, run_with_client
+from pegainfer.cli import build_parser, config_from_args
+from tests.fake_engine import FakeEngine, config, run_with_client
 
 MODEL = "m"
 
@@ -122,3 +128,42 @@ def test_only_each_prompts_first_choice_computes_its_prompt_logprobs():
         assert [r.sampling.prompt_logprobs for r in engine.requests] == [2, 2]
 
     run_with_client(engine, body)
+
+
+def test_max_logprobs_sets_how_many_alternatives_a_token_may_ask_for():
+    with pytest.raises(APIError, match="at most 20"):
+        completion(logprobs=21)
+    assert parse_completion_request({"prompt": "hi", "logprobs": 50}, MODEL, max_logprobs=50).logprobs == 50  # fmt: skip
+    request = parse_chat_request(
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30},
+        MODEL,
+        max_logprobs=30,
+    )
+    assert request.sampling.logprobs == 30
+    # -1: the whole vocabulary, where the server allows it; the worker stops at the vocabulary.
+    whole = parse_completion_request(
+        {"prompt": "hi", "prompt_logprobs": -1}, MODEL, max_logprobs=-1
+    )
+    assert whole.sampling.prompt_logprobs == MAX_INT32
+    with pytest.raises(APIError, match="at most 20 \\(--max-logprobs\\)"):
+        completion(prompt_logprobs=-1)
+    args = build_parser().parse_args(["--max-logprobs", "-1"])
+    assert config_from_args(args).max_logprobs == -1
+    with pytest.raises(SystemExit):
+        config_from_args(build_parser().parse_args(["--max-logprobs", "-2"]))
+
+
+def test_the_server_holds_requests_to_its_max_logprobs():
+    async def body(client):
+        resp = await client.post("/v1/completions", json={"prompt": "x", "logprobs": 30})
+        assert resp.status == 200, await resp.text()
+        resp = await client.post("/v1/completions", json={"prompt": "x", "logprobs": 31})
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "logprobs"
+
+    async def main() -> None:
+        cfg = config()
+        cfg.max_logprobs = 30
+        async with TestClient(TestServer(create_app(cfg, FakeEngine()))) as client:
+            await body(client)
+
+    asyncio.run(main())

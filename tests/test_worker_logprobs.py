@@ -170,3 +170,17 @@ def test_logprobs_are_raw_before_temperature_and_penalties(runner):
         (value,) = unpack_floats(entry.logprobs)
         assert math.isclose(value, float(row[output[i]]), abs_tol=1e-4)
         assert unpack_ids(entry.top_ids) == row.topk(2).indices.tolist()
+
+
+def test_asking_past_the_vocabulary_gets_all_of_it(runner):
+    """--max-logprobs -1: a request may ask for more alternatives than the model has tokens."""
+    vocab = runner.model_config.vocab_size
+    prompt = [7, 3, 99, 250]
+    huge = SamplingParams(temperature=0.0, logprobs=2**31 - 1, prompt_logprobs=2**31 - 1)
+    results = run_collecting(runner, {41: (prompt, 1, huge)})
+    sampled = [entry for result in results for entry in result.logprobs]
+    prompt_entries = [entry for result in results for entry in result.prompt_logprobs]
+    assert sampled and prompt_entries
+    for entry in sampled + prompt_entries:
+        n = len(unpack_ids(entry.token_ids))
+        assert entry.num_top == vocab and len(unpack_ids(entry.top_ids)) == n * vocab

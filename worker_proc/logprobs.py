@@ -92,8 +92,10 @@ def wants_prompt_hidden(seq: SequenceState, num_computed: int) -> bool:
 
 
 class LogprobsCollector:
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int) -> None:
         self._jobs: dict[int, _StepJob] = {}
+        # A count of top logprobs past it (--max-logprobs -1) means the whole vocabulary.
+        self.vocab_size = vocab_size
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -110,7 +112,7 @@ class LogprobsCollector:
         rows = [i for i, seq in enumerate(samplers) if seq.sampling.logprobs is not None]
         if not rows:
             return
-        k = max(samplers[i].sampling.logprobs or 0 for i in rows)
+        k = min(max(samplers[i].sampling.logprobs or 0 for i in rows), self.vocab_size)
         index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
         targets = tokens.index_select(0, index)
         chosen, ranks, top_ids, top_values = top_logprobs(logits.index_select(0, index), targets, k)
@@ -122,7 +124,7 @@ class LogprobsCollector:
                 _Piece(
                     seq.seq_id,
                     0,  # the scheduler knows the output index
-                    seq.sampling.logprobs or 0,
+                    min(seq.sampling.logprobs or 0, k),
                     host[0][j : j + 1],
                     host[1][j : j + 1],
                     host[2][j : j + 1],
@@ -145,6 +147,7 @@ class LogprobsCollector:
             k = seq.sampling.prompt_logprobs
             if k is None:
                 continue
+            k = min(k, self.vocab_size)
             flat_start = int(layout.query_start_loc[row])
             flat_end = int(layout.query_start_loc[row + 1])
             start = int(layout.positions[flat_start])  # the first position computed

@@ -166,7 +166,8 @@ class ModelRunner(StepDraw):
         eos_token_ids = config.model.eos_token_ids if config.model is not None else []
         self.stop_masks = StopMasks(eos_token_ids, self.uploader)
         self.results = ResultQueue(self.device)
-        self.logprobs = LogprobsCollector()  # only for sequences that ask
+        # Only for sequences that ask.
+        self.logprobs = LogprobsCollector(self.model_config.vocab_size)
         self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         self._early_results: list[StepResult] = []  # copied back ahead of poll_results
         # A step whose forward pass is queued and whose draw waits for its grammar masks:
