@@ -172,23 +172,7 @@ def client_loop(
                 usage = json.loads(response.read()).get("usage") or {}
                 counters.add("ok", usage.get("completion_tokens", usage.get("output_tokens", 0)))
                 continue
-            if path == "/v1/responses":
-                _read_response_events(response, cancel_after, counters)
-                continue
-            events = 0
-            for line in response:
-                if not line.startswith(b"data: "):
-                    continue
-                events += 1
-                if cancel_after is not None and events >= cancel_after:
-                    counters.add("cancelled")
-                    break
-                if b'"error"' in line[:20]:
-                    counters.add("failed", error=line[:200].decode(errors="replace"))
-                    break
-                if line.strip() == b"data: [DONE]":
-                    counters.add("ok", max(events - 2, 0))
-                    break
+            _read_stream(response, cancel_after, counters, path == "/v1/responses")
         except (OSError, http.client.HTTPException) as exc:
             counters.add("failed", error=repr(exc))
             time.sleep(0.5)
@@ -196,10 +180,14 @@ def client_loop(
             conn.close()
 
 
-def _read_response_events(
-    response: http.client.HTTPResponse, cancel_after: int | None, counters: Counters
+def _read_stream(
+    response: http.client.HTTPResponse,
+    cancel_after: int | None,
+    counters: Counters,
+    responses_api: bool,
 ) -> None:
-    """A Responses stream: served once its last event (completed or incomplete) is in."""
+    """One stream to its end: served at ``[DONE]``, or at a Responses stream's last event
+    (completed or incomplete); failed at an error event or an early end."""
     events = 0
     for line in response:
         if not line.startswith(b"data: "):
@@ -208,11 +196,14 @@ def _read_response_events(
         if cancel_after is not None and events >= cancel_after:
             counters.add("cancelled")
             return
+        if line.strip() == b"data: [DONE]":
+            counters.add("ok", max(events - 2, 0))
+            return
         event = json.loads(line[len(b"data: ") :])
-        if event["type"] == "error":
+        if "error" in event or event.get("type") == "error":
             counters.add("failed", error=line[:200].decode(errors="replace"))
             return
-        if event["type"] in ("response.completed", "response.incomplete"):
+        if responses_api and event["type"] in ("response.completed", "response.incomplete"):
             counters.add("ok", event["response"]["usage"]["output_tokens"])
             return
-    counters.add("failed", error="a response stream ended before its last event")
+    counters.add("failed", error="a stream ended before its last event")
