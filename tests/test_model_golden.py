@@ -23,6 +23,12 @@ VARIANTS = {
     "qwen3": ("qwen3", {}),
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
     "llama": ("llama", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    # Every other layer sparse, and the top-k probabilities used as they are.
+    "qwen3_moe_unnormalized": (
+        "qwen3_moe",
+        {"norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": []},
+    ),
     "llama_bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "llama_rope_linear": (
         "llama",
@@ -116,7 +122,9 @@ def test_prefill_logits_match_hf(checkpoints, variant):
     torch.testing.assert_close(runner.prefill_logits(tokens), ours, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "qwen3_tied", "llama", "qwen3_rope_yarn"])
+@pytest.mark.parametrize(
+    "variant", ["qwen3", "qwen3_tied", "llama", "qwen3_rope_yarn", "qwen3_moe"]
+)
 def test_batched_chunked_greedy_generation_matches_hf(checkpoints, variant):
     """Four prompts of different lengths in one batch: prefill in chunks of 5 mixed with
     the others' decodes, block size 4 on shuffled physical blocks; each sequence's 32
@@ -141,7 +149,7 @@ def test_batched_chunked_greedy_generation_matches_hf(checkpoints, variant):
     assert runner.seqs == {}
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "llama"])
+@pytest.mark.parametrize("variant", ["qwen3", "llama", "qwen3_moe"])
 def test_bfloat16_matches_hf_bfloat16(checkpoints, variant):
     path = checkpoints[variant]
     runner = ModelRunner(engine_config(path, dtype="bfloat16"))
@@ -157,9 +165,19 @@ def test_bfloat16_matches_hf_bfloat16(checkpoints, variant):
     scale = expected32.abs().max().item()
     # Two bfloat16 implementations differ by rounding order; each stays about as close
     # to the float32 logits as the other.
-    assert (ours - expected16).abs().max().item() < 0.06 * scale
-    assert (ours - expected32).abs().max().item() < 0.06 * scale
-    assert (ours - expected32).abs().mean().item() < 0.01 * scale
+    if variant.startswith("qwen3_moe"):
+        # Routing is discontinuous: where two experts' router probabilities nearly tie, a
+        # bfloat16 model may take another expert than float32 does, and that token's
+        # logits then move by far more than rounding (and through attention, the later
+        # positions' too). Each implementation flips on its own near-ties, so a position
+        # must agree with one reference or the other, nearly every position.
+        near16 = (ours - expected16).abs().amax(dim=-1) < 0.06 * scale
+        near32 = (ours - expected32).abs().amax(dim=-1) < 0.06 * scale
+        assert (near16 | near32).float().mean().item() >= 0.9, (near16, near32)
+    else:
+        assert (ours - expected16).abs().max().item() < 0.06 * scale
+        assert (ours - expected32).abs().max().item() < 0.06 * scale
+        assert (ours - expected32).abs().mean().item() < 0.01 * scale
 
     scheduler = MiniScheduler(runner, chunk=5, token_budget=16, seed=5)
     scheduler.add(1, prompt, 8, SamplingParams(temperature=0.0))
@@ -168,7 +186,7 @@ def test_bfloat16_matches_hf_bfloat16(checkpoints, variant):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["qwen3", "llama", "qwen3_rope_yarn"])
+@pytest.mark.parametrize("variant", ["qwen3", "llama", "qwen3_rope_yarn", "qwen3_moe"])
 def test_cuda_matches_hf(checkpoints, variant):
     """On a GPU: float32 greedy generation equals HF exactly; in bfloat16, with the KV
     cache sized by the profile run, logits agree within bf16 tolerance and greedy tokens

@@ -35,17 +35,37 @@ TINY_SIZES = dict(
     pad_token_id=0,
 )
 
+# Three layers, the middle one dense, of eight experts with two a token.
+TINY_MOE = dict(
+    num_hidden_layers=3,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    mlp_only_layers=[1],
+)
+
 
 def make_tiny_checkpoint(path: str, family: str, seed: int = 0, **overrides) -> str:
-    """Write a random ``family`` ("qwen3" or "llama") checkpoint in several safetensors
-    shards plus an index, with non-trivial norm weights so their loading is exercised."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """Write a random ``family`` ("qwen3", "qwen3_moe" or "llama") checkpoint in several
+    safetensors shards plus an index, with non-trivial norm weights so their loading is
+    exercised."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     config_cls, model_cls = {
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
         "llama": (LlamaConfig, LlamaForCausalLM),
     }[family]
-    config = config_cls(**{**TINY_SIZES, **overrides})
+    sizes = {**TINY_SIZES, **(TINY_MOE if family == "qwen3_moe" else {})}
+    config = config_cls(**{**sizes, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).float()
     with torch.no_grad():

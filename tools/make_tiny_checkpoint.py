@@ -132,6 +132,39 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     },
+    # Qwen3-30B-A3B's layout: 128 experts of 768 features, 8 a token, renormalised.
+    "qwen3_moe": {
+        # The middle layer dense (mlp_only_layers), so both kinds of MLP are tested.
+        "tiny": {
+            **_QWEN3_BASE,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": False,
+        },
+        "30b-a3b": {
+            **_QWEN3_BASE,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "tie_word_embeddings": False,
+        },
+    },
     "llama": {
         # Untied, unlike tiny qwen3 and SmolLM2, so the separate lm_head path gets tested too.
         "tiny": {
@@ -149,7 +182,11 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         },
     },
 }
-_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Presets small enough to be float32 by default (the others exist to measure speed, in bf16).
 SMALL_PRESETS = ("tiny", "micro")
@@ -164,10 +201,12 @@ def make_checkpoint(
     seed: int = 0,
     dtype: str = "float32",
     device: str = "cpu",
+    num_layers: int | None = None,
 ) -> str:
     """Write a random checkpoint of the given architecture and preset into out_dir.
 
-    ``device`` (cpu, cuda, auto) generates the values of the directly written presets."""
+    ``device`` (cpu, cuda, auto) generates the values of the directly written presets;
+    ``num_layers`` replaces the preset's layer count (a large shape cut to fit a disk)."""
     if arch not in PRESETS:
         raise ValueError(f"unknown arch {arch!r}; choose from {sorted(PRESETS)}")
     if preset not in PRESETS[arch]:
@@ -175,7 +214,7 @@ def make_checkpoint(
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(_DTYPES)}")
     os.makedirs(out_dir, exist_ok=True)
-    config = build_config(arch, preset, dtype)
+    config = build_config(arch, preset, dtype, num_layers)
     if preset == "tiny":
         _write_with_transformers(out_dir, config, seed, dtype)
     else:
@@ -184,12 +223,16 @@ def make_checkpoint(
     return out_dir
 
 
-def build_config(arch: str, preset: str, dtype: str) -> Any:
+def build_config(arch: str, preset: str, dtype: str, num_layers: int | None = None) -> Any:
     """The transformers config object of a preset, with Qwen's special token ids."""
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-    cls = Qwen3Config if arch == "qwen3" else LlamaConfig
+    cls = {"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}.get(arch, LlamaConfig)
     fields = dict(PRESETS[arch][preset])
+    if num_layers is not None:
+        fields["num_hidden_layers"] = num_layers
+        if "mlp_only_layers" in fields:
+            fields["mlp_only_layers"] = [i for i in fields["mlp_only_layers"] if i < num_layers]
     rope_theta = fields.pop("rope_theta")
     # A cut-down vocabulary has no rows for Qwen's special tokens: no bos or eos then (it
     # never stops on its own), and pad 0 because the embedding needs a row for it.
@@ -228,8 +271,8 @@ def random_tensor(
     if "embed_tokens" in name:
         # Small beside the layers' outputs, so a tied lm_head does not just echo the input.
         std = 0.25
-    elif len(shape) == 2:
-        std = 2.0 / math.sqrt(shape[1])
+    elif len(shape) >= 2:  # a projection, or a stack of experts' projections
+        std = 2.0 / math.sqrt(shape[-1])
     else:
         std = 0.02
     return torch.randn(shape, generator=gen, device=device).mul_(std).to(dtype)
@@ -265,7 +308,7 @@ def write_direct_checkpoint(
     # A meta-device model gives the exact parameter names and shapes at no memory cost.
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
-    shapes = {name: tuple(p.shape) for name, p in meta_model.named_parameters()}
+    shapes = _hub_layout({name: tuple(p.shape) for name, p in meta_model.named_parameters()})
     del meta_model
     torch_dtype = _DTYPES[dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
@@ -304,6 +347,26 @@ def write_direct_checkpoint(
     _add_legacy_config_keys(out_dir, config, dtype)
 
 
+def _hub_layout(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes as checkpoints store them: transformers 5 stacks a mixture of
+    experts' projections in memory (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj
+    [E, H, I]``) and writes one tensor an expert and projection."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj"):
+            out[name] = shape
+            continue
+        num_experts, rows, cols = shape
+        for e in range(num_experts):
+            if leaf == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = (rows, cols)
+            else:
+                out[f"{prefix}.{e}.gate_proj.weight"] = (rows // 2, cols)
+                out[f"{prefix}.{e}.up_proj.weight"] = (rows // 2, cols)
+    return out
+
+
 def _generation_device(device: str) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -333,6 +396,8 @@ def _add_legacy_config_keys(out_dir: str, config: Any, dtype: str) -> None:
     data.setdefault("rope_scaling", None)
     data["torch_dtype"] = dtype
     data["dtype"] = dtype
+    if "num_local_experts" in data:  # checkpoints on the Hub name it num_experts
+        data.setdefault("num_experts", data["num_local_experts"])
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
@@ -364,7 +429,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--preset",
         default="tiny",
-        help="tiny, micro, or a real shape: 0.6b, 1.7b, 4b, 8b, 14b, 32b",
+        help="tiny, micro, or a real shape: 0.6b, 1.7b, 4b, 8b, 14b, 32b (qwen3), 30b-a3b "
+        "(qwen3_moe)",
+    )
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="layers instead of the preset's (every layer has the same shape and cost)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
@@ -377,7 +449,9 @@ def main(argv: list[str] | None = None) -> None:
     # Real shapes exist to measure speed, which is measured in bf16.
     dtype = args.dtype or ("float32" if args.preset in SMALL_PRESETS else "bfloat16")
     started = time.monotonic()
-    out = make_checkpoint(args.out, args.arch, args.preset, args.seed, dtype, args.device)
+    out = make_checkpoint(
+        args.out, args.arch, args.preset, args.seed, dtype, args.device, args.num_layers
+    )
     nbytes = sum(
         os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors")
     )

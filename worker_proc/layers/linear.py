@@ -10,6 +10,7 @@ range from the file. A plain tensor works the same.
 - MergedColumnParallelLinear: several column-parallel outputs fused (gate/up).
 - QKVParallelLinear: q, k and v projections fused; heads split across ranks.
 - RowParallelLinear: input features split; partial outputs summed with an all-reduce.
+- ReplicatedLinear: the whole weight on every rank (a mixture-of-experts router).
 """
 
 from __future__ import annotations
@@ -230,3 +231,13 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.weight = _new_param(output_size, input_size)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor | kernels.PendingNorm) -> torch.Tensor:
+        return kernels.linear(x, self.weight)

@@ -120,9 +120,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(config, layer_idx, rotary_emb)
-        self.mlp = LlamaMLP(config)
+        self.mlp = self.build_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """The layer's MLP: ``mlp(x, residual, norm) -> (norm(mlp(x) + residual), sum)``."""
+        return LlamaMLP(config)
 
     def forward(
         self,
@@ -220,6 +224,18 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden_size] -> [N, vocab_size]`` in the model dtype (into ``out``, if given)."""
         return self.lm_head.compute_logits(hidden_states, out)
 
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """The parameter a checkpoint tensor loads into, and its shard of it."""
+        for fused, original, shard_id in _STACKED_PARAMS:
+            if f".{original}." in name:
+                return name.replace(f".{original}.", f".{fused}."), shard_id
+        return name, None
+
+    def expected_shards(self, name: str) -> set:
+        """The shards that load the parameter ``name`` completely."""
+        shards = {shard for fused, _, shard in _STACKED_PARAMS if f".{fused}." in name}
+        return shards or {None}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named checkpoint tensors, fusing q/k/v and gate/up on the way.
 
@@ -227,11 +243,6 @@ class LlamaForCausalLM(nn.Module):
         mismatch fails at start instead of serving noise.
         """
         params = dict(self.named_parameters())
-        expected = {name: {None} for name in params}
-        for fused, _, shard in _STACKED_PARAMS:
-            for name in params:
-                if name.endswith(f".{fused}.weight") or name.endswith(f".{fused}.bias"):
-                    expected[name] = expected[name] - {None} | {shard}
         loaded: dict[str, set] = {name: set() for name in params}
         unexpected = []
         for name, tensor in weights:
@@ -239,11 +250,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # the embedding is loaded under its own name
-            target, shard = name, None
-            for fused, original, shard_id in _STACKED_PARAMS:
-                if f".{original}." in name:
-                    target, shard = name.replace(f".{original}.", f".{fused}."), shard_id
-                    break
+            target, shard = self.checkpoint_target(name)
             param = params.get(target)
             if param is None:
                 unexpected.append(name)
@@ -253,6 +260,6 @@ class LlamaForCausalLM(nn.Module):
             loaded[target].add(shard)
         if unexpected:
             raise ValueError(f"checkpoint tensors with no parameter: {sorted(unexpected)[:8]}")
-        missing = [name for name in params if loaded[name] != expected[name]]
+        missing = [name for name in params if loaded[name] != self.expected_shards(name)]
         if missing:
             raise ValueError(f"parameters not (fully) loaded from the checkpoint: {missing[:8]}")

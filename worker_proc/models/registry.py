@@ -7,10 +7,12 @@ from torch import nn
 from worker_proc.model_config import ModelConfig
 from worker_proc.models.llama import LlamaForCausalLM
 from worker_proc.models.qwen3 import Qwen3ForCausalLM
+from worker_proc.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -1,0 +1,191 @@
+"""Mixture-of-experts kernels (kernels/moe_routing.py, kernels/fused_moe.py) against their
+references, and the references against the plain definition: each token's top-k experts by
+softmax probability, and the weighted sum of their gated MLPs. Fresh random inputs each run
+(seed in messages).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_test_util import CUDA, DEVICE, SEED, check, gen, poisoned, randn, requires_triton
+
+from kernels.fused_moe import fused_moe, fused_moe_ref, fused_moe_triton
+from kernels.moe_routing import (
+    max_padded_rows,
+    moe_group_ref,
+    moe_group_triton,
+    moe_route,
+    moe_route_ref,
+    moe_route_triton,
+)
+
+# (tokens, experts, top_k): one decode row, a few rows, rows sharing few experts, more
+# pairs than a grouping chunk, and on a GPU Qwen3-30B-A3B's router at batch 64 and a prefill.
+ROUTING_SHAPES = [(1, 8, 2), (5, 8, 2), (9, 4, 4), (37, 16, 3), (70, 128, 8)] + (
+    [(64, 128, 8), (1000, 128, 8)] if CUDA else []
+)
+
+
+def _distinct_logits(tokens: int, experts: int, offset: int) -> torch.Tensor:
+    """Logits with no two equal in a row, so that the top-k set is unambiguous."""
+    g = gen(offset)
+    ranks = torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)])
+    return (ranks.float() * 0.37 + 0.05 * torch.rand(tokens, experts, generator=g)).to(DEVICE)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_reference_is_softmax_top_k(renormalize):
+    logits = _distinct_logits(6, 10, 1)
+    weights, experts = moe_route_ref(logits, 3, renormalize)
+    probs = torch.softmax(logits.float(), dim=-1)
+    for t in range(6):
+        want = sorted(range(10), key=lambda e: -probs[t, e].item())[:3]
+        assert experts[t].tolist() == want
+        chosen = probs[t, want]
+        expect = chosen / chosen.sum() if renormalize else chosen
+        torch.testing.assert_close(weights[t], expect)
+
+
+@requires_triton
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens,experts,top_k", ROUTING_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_kernel_matches_reference(tokens, experts, top_k, renormalize, dtype):
+    logits = _distinct_logits(tokens, experts, tokens + experts).to(dtype)
+    with poisoned():
+        weights, chosen = moe_route_triton(logits, top_k, renormalize)
+    want_weights, want_experts = moe_route_ref(logits, top_k, renormalize)
+    assert torch.equal(chosen.cpu(), want_experts.cpu()), f"seed {SEED}"
+    check(weights, want_weights, f"routing weights {tokens}x{experts} top {top_k}")
+
+
+def test_route_rejects_more_experts_than_exist():
+    with pytest.raises(ValueError, match="top_k 5 exceeds the 4 experts"):
+        moe_route(torch.zeros(2, 4, device=DEVICE), 5, True)
+
+
+def _random_experts(tokens: int, experts: int, top_k: int, offset: int) -> torch.Tensor:
+    g = gen(offset)
+    rows = [torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]
+    return torch.stack(rows).to(torch.int32).to(DEVICE)
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_group_reference_layout(block_m):
+    experts = _random_experts(11, 6, 3, block_m)
+    groups = moe_group_ref(experts, 6, block_m)
+    num_pairs = experts.numel()
+    flat = experts.reshape(-1).tolist()
+    num_padded = int(groups.num_padded.item())
+    assert num_padded % block_m == 0
+    assert groups.sorted_pairs.numel() == max_padded_rows(num_pairs, 6, block_m)
+    rows = groups.sorted_pairs.tolist()
+    # Every pair exactly once, in its expert's blocks, in rising order within the expert.
+    assert sorted(r for r in rows if r < num_pairs) == list(range(num_pairs))
+    assert all(r == num_pairs for r in rows[num_padded:])
+    for block, owner in enumerate(groups.block_expert.tolist()):
+        chunk = rows[block * block_m : (block + 1) * block_m]
+        if block * block_m >= num_padded:
+            assert owner == -1
+            continue
+        real = [p for p in chunk if p < num_pairs]
+        assert real, "a used block holds at least one pair"
+        assert all(flat[p] == owner for p in real)
+    for expert in range(6):
+        mine = [r for r in rows if r < num_pairs and flat[r] == expert]
+        assert mine == sorted(mine)
+
+
+@requires_triton
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("tokens,experts,top_k", ROUTING_SHAPES)
+def test_group_kernel_matches_reference(tokens, experts, top_k, block_m):
+    chosen = _random_experts(tokens, experts, top_k, tokens * 7 + block_m)
+    with poisoned():
+        got = moe_group_triton(chosen, experts, block_m)
+    want = moe_group_ref(chosen, experts, block_m)
+    what = f"{tokens}x{experts} top {top_k} block {block_m} (seed {SEED})"
+    assert torch.equal(got.num_padded.cpu(), want.num_padded.cpu()), what
+    assert torch.equal(got.block_expert.cpu(), want.block_expert.cpu()), what
+    assert torch.equal(got.sorted_pairs.cpu(), want.sorted_pairs.cpu()), what
+
+
+def _plain_moe(x, w13, w2, weights, experts):
+    """The definition, token by token, in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    half = w13.shape[1] // 2
+    for t in range(x.shape[0]):
+        for j in range(experts.shape[1]):
+            e = int(experts[t, j])
+            proj = x[t].double() @ w13[e].double().T
+            act = F.silu(proj[:half]) * proj[half:]
+            out[t] += float(weights[t, j]) * (act @ w2[e].double().T)
+    return out
+
+
+def test_reference_matches_definition():
+    tokens, hidden, inter, experts, top_k = 7, 24, 10, 5, 2
+    x = torch.randn(tokens, hidden, generator=gen(3), dtype=torch.float64).float()
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen(4)).float() * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen(5)).float() * inter**-0.5
+    weights, chosen = moe_route_ref(torch.randn(tokens, experts, generator=gen(6)), top_k, True)
+    got = fused_moe_ref(x, w13, w2, weights, chosen)
+    want = _plain_moe(x, w13, w2, weights, chosen)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+# (tokens, hidden, intermediate, experts, top_k): K and N not multiples of the tiles, one
+# row, rows with experts in common; Qwen3-30B-A3B's experts on a GPU at decode and prefill.
+MOE_SHAPES = [(1, 64, 48, 8, 2), (6, 72, 40, 4, 2), (40, 64, 32, 8, 3)] + (
+    [(1, 2048, 768, 128, 8), (64, 2048, 768, 128, 8), (600, 2048, 768, 128, 8)] if CUDA else []
+)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hidden,inter,experts,top_k", MOE_SHAPES)
+def test_fused_moe_kernel_matches_reference(tokens, hidden, inter, experts, top_k, dtype):
+    g = gen(tokens + hidden + inter)
+    x = randn(tokens, hidden, g=g, dtype=dtype)
+    w13 = randn(experts, 2 * inter, hidden, g=g, dtype=dtype, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inter, g=g, dtype=dtype, scale=inter**-0.5)
+    logits = randn(tokens, experts, g=g, dtype=torch.float32)
+    weights, chosen = moe_route_ref(logits, top_k, True)
+    with poisoned():
+        got = fused_moe_triton(x, w13, w2, weights, chosen)
+    if CUDA or dtype != torch.bfloat16:
+        want = fused_moe_ref(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), chosen.cpu())
+    else:
+        want = _truncating_reference(x, w13, w2, weights, chosen)
+    check(got.cpu(), want, f"fused MoE {tokens} tokens {experts} experts top {top_k} {dtype}")
+
+
+def _truncated(t: torch.Tensor) -> torch.Tensor:
+    """float32 ``t`` cut to bfloat16's 8 bits of mantissa (toward zero), kept in float32."""
+    return (t.contiguous().view(torch.int32) & -65536).view(torch.float32)
+
+
+def _truncating_reference(x, w13, w2, weights, experts):
+    """The bfloat16 reference with the roundings of Triton's CPU interpreter, which truncates
+    float32 -> bfloat16 where a GPU rounds; over three such casts in a row the difference
+    passes the bfloat16 tolerance."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    half = w13.shape[1] // 2
+    for t in range(x.shape[0]):
+        for j in range(experts.shape[1]):
+            e = int(experts[t, j])
+            proj = _truncated(x[t : t + 1].float() @ w13[e].float().T)
+            act = _truncated(F.silu(proj[:, :half]) * proj[:, half:])
+            out[t] += float(weights[t, j]) * (act @ w2[e].float().T)[0]
+    return out.to(x.dtype)
+
+
+def test_dispatch_runs_the_reference_on_cpu():
+    x = torch.randn(3, 16)
+    w13, w2 = torch.randn(4, 8, 16), torch.randn(4, 16, 4)
+    weights, chosen = moe_route_ref(torch.randn(3, 4), 2, False)
+    torch.testing.assert_close(
+        fused_moe(x, w13, w2, weights, chosen), fused_moe_ref(x, w13, w2, weights, chosen)
+    )
