@@ -70,6 +70,18 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 3-layer random Qwen3 MoE (eight experts, two a token, the middle layer dense;
+    float32, real Qwen3 tokenizer), written as checkpoints on the Hub are: one tensor an
+    expert and projection."""
+    pytest.importorskip("transformers")
+    from tools.make_tiny_checkpoint import make_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    return make_checkpoint(str(out), arch="qwen3_moe", preset="tiny", seed=0, dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def micro_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The micro Qwen3 (a few layers of a few dims, float32, random weights): the benchmark
     tools' smoke runs."""

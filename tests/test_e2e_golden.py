@@ -1,5 +1,5 @@
 """Golden tests: greedy tokens through the real process tree equal HF transformers' greedy
-`generate`, for the tiny random Qwen3 and for the real SmolLM2."""
+`generate`, for the tiny random Qwen3 and Qwen3 MoE and for the real SmolLM2."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def _serve_and_generate(model_dir: str, tmp_path) -> tuple[list[int], list[list[
     return [r[0] for r in results], [r[1] for r in results]
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_qwen3_dir", "smollm2_dir"])
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "smollm2_dir"])
 def test_greedy_tokens_match_transformers(model_fixture, request, tmp_path):
     model_dir = request.getfixturevalue(model_fixture)
     prompt_lens, ours = _serve_and_generate(model_dir, tmp_path)

@@ -58,9 +58,24 @@ def checkpoint(tmp_path_factory) -> str:
     return make_tiny_checkpoint(path, "qwen3", seed=8, tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tp-qwen3-moe"))
+    return make_tiny_checkpoint(path, "qwen3_moe", seed=9)
+
+
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_tensor_parallel_matches_single_rank(checkpoint, tmp_path, tp_size):
     # 4 ranks over 2 kv heads exercises kv-head replication.
+    _check_ranks_match_single_rank(checkpoint, tmp_path, tp_size)
+
+
+def test_mixture_of_experts_tensor_parallel_matches_single_rank(moe_checkpoint, tmp_path):
+    # Every rank holds a slice of every expert; the dense middle layer is split as usual.
+    _check_ranks_match_single_rank(moe_checkpoint, tmp_path, 2)
+
+
+def _check_ranks_match_single_rank(checkpoint: str, tmp_path, tp_size: int) -> None:
     single = ModelRunner(engine_config(checkpoint))
     expected = single.prefill_logits(PROMPT)
     scheduler = MiniScheduler(single, chunk=4, token_budget=8)
@@ -170,6 +185,47 @@ def test_each_rank_reads_only_its_shard(checkpoint, monkeypatch):
     torch.testing.assert_close(model.model.embed_tokens.weight, embed[embed.shape[0] // 2 :])
     torch.testing.assert_close(
         layer.input_layernorm.weight, full[prefix + "input_layernorm.weight"]
+    )
+
+
+def test_each_rank_reads_only_its_slice_of_every_expert(moe_checkpoint, monkeypatch):
+    from safetensors import safe_open
+
+    slices = []
+    original = loader.iterate_weight_slices
+
+    def spy(path, device):
+        for name, weight in original(path, device):
+            slices.append(weight)
+            yield name, weight
+
+    monkeypatch.setattr(loader, "iterate_weight_slices", spy)
+    with _as_rank(1, 2):
+        model = loader.load_model(
+            load_model_config(moe_checkpoint), moe_checkpoint, torch.device("cpu"), torch.float32
+        )
+    read = {w.name: w.elements_read for w in slices}
+    total = {w.name: w.numel() for w in slices}
+    experts = [n for n in read if ".experts." in n]
+    assert len(experts) == 2 * 8 * 3  # two sparse layers, eight experts, three projections
+    for name in experts:
+        assert read[name] == total[name] // 2, (name, read[name], total[name])
+    router = "model.layers.0.mlp.gate.weight"
+    assert read[router] == total[router]
+
+    full = {}
+    for path in loader.checkpoint_files(moe_checkpoint):
+        with safe_open(path, framework="pt") as f:
+            full.update({name: f.get_tensor(name) for name in f.keys()})
+    moe = model.model.layers[2].mlp.experts
+    prefix = "model.layers.2.mlp.experts.5."
+    gate, up = full[prefix + "gate_proj.weight"], full[prefix + "up_proj.weight"]
+    down = full[prefix + "down_proj.weight"]
+    rows = gate.shape[0] // 2
+    torch.testing.assert_close(moe.w13[5], torch.cat([gate[rows:], up[rows:]]))
+    torch.testing.assert_close(moe.w2[5], down[:, rows:])
+    torch.testing.assert_close(
+        model.model.layers[2].mlp.gate.weight, full["model.layers.2.mlp.gate.weight"]
     )
 
 

@@ -114,6 +114,36 @@ def test_direct_writer_matches_transformers_writer(tiny_qwen3_dir, tiny_qwen3, t
             assert json.load(a) == json.load(b)
 
 
+def test_tiny_qwen3_moe_is_written_as_the_hub_writes_it(tiny_qwen3_moe_dir, tmp_path):
+    names = _index(tiny_qwen3_moe_dir)
+    # Layers 0 and 2 sparse (eight experts, three projections each), layer 1 dense.
+    assert sum(".mlp.experts." in n for n in names) == 2 * 8 * 3
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in names
+    assert "model.layers.1.mlp.gate_proj.weight" in names
+    with open(os.path.join(tiny_qwen3_moe_dir, "config.json")) as f:
+        config = json.load(f)
+    assert config["num_experts"] == 8 and config["architectures"] == ["Qwen3MoeForCausalLM"]
+    model = _load(tiny_qwen3_moe_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 4]])).logits
+    assert logits.std() > 0.5
+
+    # The writer without transformers stores the same names and values.
+    out = str(tmp_path)
+    write_direct_checkpoint(
+        out, build_config("qwen3_moe", "tiny", "float32"), seed=0, dtype="float32"
+    )
+    direct = _index(out)
+    assert direct.keys() == names.keys()
+    ours, theirs = _load(out).state_dict(), model.state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_layer_count_override(tmp_path):
+    config = build_config("qwen3_moe", "30b-a3b", "bfloat16", num_layers=2)
+    assert config.num_hidden_layers == 2 and config.num_experts_per_tok == 8
+
+
 def test_tiny_llama_untied_bfloat16(tmp_path):
     out = make_checkpoint(str(tmp_path), arch="llama", preset="tiny", seed=3, dtype="bfloat16")
     model = _load(out)

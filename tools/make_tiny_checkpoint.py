@@ -285,7 +285,7 @@ def _write_with_transformers(out_dir: str, config: Any, seed: int, dtype: str) -
     with torch.no_grad():
         # named_parameters yields a tied weight once, under the embedding's name.
         for name, param in model.named_parameters():
-            param.copy_(random_tensor(name, tuple(param.shape), seed, torch.float32))
+            param.copy_(_stacked_or_plain(name, tuple(param.shape), seed))
     model.to(_DTYPES[dtype])
     model.generation_config = _generation_config(config)
     model.save_pretrained(out_dir, max_shard_size=TINY_SHARD_SIZE)
@@ -345,6 +345,20 @@ def write_direct_checkpoint(
     config.save_pretrained(out_dir)
     _generation_config(config).save_pretrained(out_dir)
     _add_legacy_config_keys(out_dir, config, dtype)
+
+
+def _stacked_or_plain(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A parameter's random value, built from the values of the tensors it is saved as, so
+    that both writers store the same values (see ``_hub_layout``)."""
+    parts = _hub_layout({name: shape})
+    if list(parts) == [name]:
+        return random_tensor(name, shape, seed, torch.float32)
+    tensors = [random_tensor(n, s, seed, torch.float32) for n, s in parts.items()]
+    if name.endswith("down_proj"):
+        return torch.stack(tensors)
+    # gate_proj and up_proj of each expert, in that order, stacked as [gate | up] rows.
+    pairs = [torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 2)]
+    return torch.stack(pairs)
 
 
 def _hub_layout(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
