@@ -80,6 +80,7 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # ``GATED``: out = silu(a @ w[:N]^T) * (a @ w[N:2N]^T), a's rows are tokens (pair //
     # top_k). Otherwise out = (a @ w^T) * pair weight, a's rows are pairs; out is float32.
@@ -116,7 +117,7 @@ def _grouped_gemm_kernel(
         if FP32_DOT:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc += tl.dot(a, tl.trans(w))
+        acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
         if GATED:
             w_up = tl.load(
                 w_expert + (cols + N)[:, None] * stride_wn + kk[None, :],
@@ -125,7 +126,7 @@ def _grouped_gemm_kernel(
             )
             if FP32_DOT:
                 w_up = w_up.to(tl.float32)
-            acc_up += tl.dot(a, tl.trans(w_up))
+            acc_up += tl.dot(a, tl.trans(w_up), input_precision=PRECISION)
     out_mask = valid[:, None] & col_ok[None, :]
     out_at = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
     if GATED:
@@ -187,6 +188,8 @@ def _grouped_gemm(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         FP32_DOT=dot_needs_fp32(a.dtype),
+        # float32 models get IEEE products, as from the reference, not tf32's 10-bit ones.
+        PRECISION="ieee" if a.dtype == torch.float32 or dot_needs_fp32(a.dtype) else "tf32",
         num_warps=warps,
         num_stages=3,
     )

@@ -56,6 +56,28 @@ def test_model_shape_counts_every_parameter(preset, tmp_path):
     assert shape.kv_bytes_per_token == kv
 
 
+@pytest.mark.parametrize("preset", ["tiny", "30b-a3b"])
+def test_mixture_of_experts_shape(preset, tmp_path):
+    config = build_config("qwen3_moe", preset, "bfloat16")
+    config.save_pretrained(tmp_path)
+    shape = load_model_shape(str(tmp_path), dtype_bytes=2)
+    assert shape.num_params == _hf_param_count(config)
+    e, k = config.num_experts, config.num_experts_per_tok
+    expert_bytes = 2 * 3 * config.hidden_size * config.moe_intermediate_size
+    sparse = shape.num_sparse_layers
+    assert sparse == (2 if preset == "tiny" else 48)
+    everything = 2 * (shape.num_params - config.vocab_size * config.hidden_size)
+    # One token reads k experts a sparse layer; many read them all.
+    assert shape.step_weight_bytes(1) == pytest.approx(everything - sparse * (e - k) * expert_bytes)
+    assert shape.step_weight_bytes(4096) == pytest.approx(everything)
+    assert shape.experts_touched(2) == pytest.approx(e * (1 - (1 - k / e) ** 2))
+    if preset == "30b-a3b":
+        # Qwen3-30B-A3B: 30.5B parameters, 3.3B active a token.
+        assert 30.4e9 < shape.num_params < 30.6e9
+        active = shape.matmul_params_per_token + 2 * config.vocab_size * config.hidden_size
+        assert 3.2e9 < active < 3.4e9
+
+
 def test_qwen3_4b_decode_roofline_matches_the_design_anchor(tmp_path):
     # DESIGN.md: Qwen3-4B bf16 on an H200 has a measured copy roofline of ~531 tok/s; with
     # the H200's ~4.3 TB/s copy rate the weights alone (8.04 GB) give that figure.

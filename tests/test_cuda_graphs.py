@@ -26,6 +26,11 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("qwen3-moe")), "qwen3_moe", seed=34)
+
+
+@pytest.fixture(scope="module")
 def graph_runner(checkpoint) -> tuple[ModelRunner, EagerGraphBackend]:
     backend = EagerGraphBackend()
     runner = ModelRunner(engine_config(checkpoint, max_num_seqs=12), graph_backend=backend)
@@ -236,10 +241,13 @@ def test_capture_failure_falls_back_to_eager(checkpoint, caplog):
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("model", ["checkpoint", "moe_checkpoint"])
 @pytest.mark.parametrize("in_flight", [1, 2])
-def test_cuda_graphs_give_the_same_greedy_tokens(checkpoint, in_flight):
+def test_cuda_graphs_give_the_same_greedy_tokens(model, in_flight, request):
     """Real CUDA graphs against eager, float32: a mix of concurrent greedy and seeded
-    requests with chunked prefill, two steps in flight, padding to graph sizes."""
+    requests with chunked prefill, two steps in flight, padding to graph sizes. The mixture
+    of experts routes and groups its tokens on the device inside the graphs."""
+    checkpoint = request.getfixturevalue(model)
     outputs = []
     for eager in (False, True):
         config = engine_config(
@@ -270,7 +278,8 @@ SAMPLINGS = [
 
 @needs_cuda
 @pytest.mark.gpu
-def test_serving_compiles_no_triton_kernel_after_start_up(checkpoint, monkeypatch):
+@pytest.mark.parametrize("model", ["checkpoint", "moe_checkpoint"])
+def test_serving_compiles_no_triton_kernel_after_start_up(model, monkeypatch, request):
     """Decode batches of every size to 20 and contexts past 16 and 32 blocks, prefill chunks
     of every length, and every way of sampling (greedy, temperature alone, top-k with and
     without top-p and min-p, top-p alone, a penalty, a seed, a logit bias, a min_tokens
@@ -280,6 +289,7 @@ def test_serving_compiles_no_triton_kernel_after_start_up(checkpoint, monkeypatc
     from kernels import compile_watch
     from kernels.backend import load_triton
 
+    checkpoint = request.getfixturevalue(model)
     config = engine_config(checkpoint, max_num_seqs=20, kv_cache_memory=64 << 20)
     config.device = "cuda"
     runner = ModelRunner(config)

@@ -1,6 +1,7 @@
-"""Time every Triton kernel against its PyTorch reference at Qwen3-4B shapes (CUDA only).
+"""Time every Triton kernel against its PyTorch reference at Qwen3-4B shapes, and the
+mixture-of-experts kernels at Qwen3-30B-A3B's (CUDA only).
 
-    python -m tools.bench_kernels [--out bench_kernels.json | --out DIR] [--quick]
+    python -m tools.bench_kernels [--out bench_kernels.json | --out DIR] [--quick] [--match S]
 
 Each row gives the median time (``triton.testing.do_bench``) of the Triton kernel and of the
 reference, the bytes the operation must move at least, and the bandwidth that achieves,
@@ -220,6 +221,45 @@ def cases(device: torch.device, quick: bool) -> list[tuple[str, Callable, Callab
                 0.0,
             )
         )
+    return rows + moe_cases(device, quick)
+
+
+def moe_cases(
+    device: torch.device, quick: bool
+) -> list[tuple[str, Callable, Callable, int, float]]:
+    """Qwen3-30B-A3B's experts (128 of 2048 x 768, 8 a token): routing, and the two grouped
+    GEMMs with their grouping. The bytes are the experts the tokens touch, read once."""
+    from kernels import moe_routing
+    from kernels.fused_moe import fused_moe_ref, fused_moe_triton
+
+    hidden, inter, num_experts, top_k = 2048, 768, 128, 8
+    w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=DTYPE, device=device) * 0.02
+    w2 = torch.randn(num_experts, hidden, inter, dtype=DTYPE, device=device) * 0.03
+    rows: list[tuple[str, Callable, Callable, int, float]] = []
+    for tokens in [1, 8, 64] if quick else [1, 4, 8, 16, 64, 256, 2048]:
+        logits = torch.randn(tokens, num_experts, dtype=DTYPE, device=device)
+        weights, experts = moe_routing.moe_route_ref(logits, top_k, True)
+        x = torch.randn(tokens, hidden, dtype=DTYPE, device=device)
+        touched = int(torch.unique(experts).numel())
+        args = (x, w13, w2, weights, experts)
+        rows.append(
+            (
+                f"moe route T={tokens}",
+                lambda g=logits: moe_routing.moe_route_triton(g, top_k, True),
+                lambda g=logits: moe_routing.moe_route_ref(g, top_k, True),
+                logits.numel() * ELEM + tokens * top_k * 8,
+                0.0,
+            )
+        )
+        rows.append(
+            (
+                f"fused_moe T={tokens} ({touched} experts)",
+                lambda a=args: fused_moe_triton(*a),
+                lambda a=args: fused_moe_ref(*a),
+                touched * 3 * hidden * inter * ELEM + 2 * x.numel() * ELEM,
+                2.0 * tokens * top_k * 3 * hidden * inter,
+            )
+        )
     return rows
 
 
@@ -229,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default="bench_kernels.json", help="a .json file, or a directory to write it in"
     )
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--match", default="", help="only the rows whose name contains this")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU; the Triton kernels do not run on CPU here.")
@@ -246,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     results = []
     for row_name, triton_fn, ref_fn, moved, flops in cases(device, args.quick):
+        if args.match not in row_name:
+            continue
         triton_ms = median_ms(triton_fn)
         ref_ms = median_ms(ref_fn)
         achieved = moved / (triton_ms / 1e3)

@@ -5,6 +5,11 @@ A decode step reads every weight once (a tied embedding in full, as the LM head;
 one only row by row) plus the KV cache of every context it attends to; its floor is those
 bytes over the copy bandwidth (or its FLOPs over the matmul rate, if larger). A prefill is
 bound by the larger of its FLOPs over the matmul rate and its bytes over the bandwidth.
+
+In a mixture of experts a step reads only the experts its tokens are routed to: with
+``k`` of ``E`` experts a token, ``n`` tokens touch ``E * (1 - (1 - k / E) ** n)`` of them a
+layer on average when routing is uniform (as it is for random weights), and each token
+computes with ``k`` experts.
 """
 
 from __future__ import annotations
@@ -52,15 +57,48 @@ class ModelShape:
     tie_word_embeddings: bool
     has_qk_norm: bool
     dtype_bytes: int
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    num_sparse_layers: int = 0
+
+    @property
+    def attention_params(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        return h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.expert_intermediate_size
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weights of one layer's projections (QKV, O, gate/up, down)."""
-        h, d = self.hidden_size, self.head_dim
-        qkv = h * (self.num_heads + 2 * self.num_kv_heads) * d
-        out = self.num_heads * d * h
-        mlp = 3 * h * self.intermediate_size
-        return qkv + out + mlp
+        """Weights of one dense layer's projections (QKV, O, gate/up, down)."""
+        return self.attention_params + 3 * self.hidden_size * self.intermediate_size
+
+    def _matmul_params(self, experts_a_layer: float) -> float:
+        """All layers' projection weights with ``experts_a_layer`` experts (and the router)
+        in each sparse layer."""
+        dense_layers = self.num_layers - self.num_sparse_layers
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        sparse_mlp = experts_a_layer * self.expert_params + self.hidden_size * self.num_experts
+        return (
+            self.num_layers * self.attention_params
+            + dense_layers * dense_mlp
+            + self.num_sparse_layers * sparse_mlp
+        )
+
+    @property
+    def matmul_params_per_token(self) -> float:
+        """Projection weights one token computes with (its ``k`` experts in sparse layers)."""
+        return self._matmul_params(self.experts_per_token)
+
+    def experts_touched(self, num_tokens: int) -> float:
+        """Experts a sparse layer reads for ``num_tokens`` tokens, uniform routing."""
+        if not self.num_experts:
+            return 0.0
+        left_out = (1.0 - self.experts_per_token / self.num_experts) ** num_tokens
+        return self.num_experts * (1.0 - left_out)
 
     @property
     def lm_head_params(self) -> int:
@@ -72,16 +110,24 @@ class ModelShape:
             2 * self.hidden_size + (2 * self.head_dim if self.has_qk_norm else 0)
         )
         embed = self.lm_head_params * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * self.layer_matmul_params + norms + self.hidden_size + embed
+        matmuls = round(self._matmul_params(self.num_experts))
+        return matmuls + norms + self.hidden_size + embed
 
-    @property
-    def decode_weight_bytes(self) -> int:
-        """Weight bytes one step reads: all of them, except that an untied embedding table is
-        only gathered row by row (a tied one is read in full as the LM head)."""
-        params = self.num_params
+    def step_weight_bytes(self, num_tokens: int) -> float:
+        """Weight bytes a step of ``num_tokens`` tokens reads: all of them but the experts no
+        token is routed to, and an untied embedding table, only gathered row by row (a tied
+        one is read in full as the LM head)."""
+        params = self.num_params - self.num_sparse_layers * self.expert_params * (
+            self.num_experts - self.experts_touched(num_tokens)
+        )
         if not self.tie_word_embeddings:
             params -= self.lm_head_params
         return params * self.dtype_bytes
+
+    @property
+    def decode_weight_bytes(self) -> float:
+        """Weight bytes a batch-1 decode step reads."""
+        return self.step_weight_bytes(1)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -91,7 +137,7 @@ class ModelShape:
         """Weights once, plus the KV cache of every context attended (the new tokens' KV
         written is one token per sequence, counted too)."""
         kv_tokens = sum(context_lens) + len(context_lens)
-        return self.decode_weight_bytes + kv_tokens * self.kv_bytes_per_token
+        return self.step_weight_bytes(len(context_lens)) + kv_tokens * self.kv_bytes_per_token
 
     def attention_flops(self, query_len: int, context_len: int) -> float:
         """QK^T and PV for ``query_len`` new tokens at the end of ``context_len`` tokens,
@@ -104,7 +150,7 @@ class ModelShape:
         """A step where sequence i runs query_lens[i] tokens ending at context_lens[i]; the
         LM head runs once per sequence (only the last token samples)."""
         tokens = sum(query_lens)
-        flops = 2.0 * self.num_layers * self.layer_matmul_params * tokens
+        flops = 2.0 * self.matmul_params_per_token * tokens
         flops += 2.0 * self.lm_head_params * len(query_lens)
         for q, c in zip(query_lens, context_lens):
             flops += self.attention_flops(q, c)
@@ -120,7 +166,8 @@ class ModelShape:
             * (2 * self.hidden_size + self.intermediate_size)
             * self.dtype_bytes
         )
-        return self.decode_weight_bytes + tokens * self.kv_bytes_per_token + activations
+        weights = self.step_weight_bytes(tokens)
+        return weights + tokens * self.kv_bytes_per_token + activations
 
 
 def load_model_shape(model_path: str, dtype_bytes: int | None = None) -> ModelShape:
@@ -132,9 +179,14 @@ def load_model_shape(model_path: str, dtype_bytes: int | None = None) -> ModelSh
         dtype_bytes = _DTYPE_BYTES.get(hf.get("torch_dtype") or hf.get("dtype") or "", 2)
     num_heads = hf["num_attention_heads"]
     architecture = (hf.get("architectures") or ["?"])[0]
+    num_layers = hf["num_hidden_layers"]
+    num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    sparse = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
     return ModelShape(
         architecture=architecture,
-        num_layers=hf["num_hidden_layers"],
+        num_layers=num_layers,
         hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"],
         num_heads=num_heads,
@@ -144,6 +196,10 @@ def load_model_shape(model_path: str, dtype_bytes: int | None = None) -> ModelSh
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         has_qk_norm=architecture.startswith("Qwen3"),
         dtype_bytes=dtype_bytes,
+        num_experts=num_experts,
+        experts_per_token=int(hf.get("num_experts_per_tok") or 0) if num_experts else 0,
+        expert_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+        num_sparse_layers=len(sparse) if num_experts else 0,
     )
 
 

@@ -35,6 +35,9 @@ from tools.bench_common import format_table
 from tools.bench_model import ModelShape, Roofline
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# A mixture of experts' layer: the router is its third projection; the experts run grouped.
+MOE_PROJECTIONS = ("qkv", "o", "router")
+EXPERTS = "experts (grouped GEMMs)"
 LM_HEAD = "lm_head"
 GEMM = "gemm"
 # Substrings (lower case) of cuBLAS/CUTLASS kernel names and of the Triton linear kernels.
@@ -69,8 +72,18 @@ class Kernel:
     duration_us: float
 
 
+_MOE_PARTS = (
+    ("_grouped_gemm_kernel", EXPERTS),
+    ("_route_kernel", "moe routing + grouping"),
+    ("_group_kernel", "moe routing + grouping"),
+)
+
+
 def kernel_part(name: str) -> str:
     lowered = name.lower()
+    for marker, part in _MOE_PARTS:
+        if marker in lowered:
+            return part
     if any(marker in lowered for marker in _GEMM_MARKERS):
         return GEMM
     for marker, part in _PARTS:
@@ -128,7 +141,17 @@ def start_offsets(kernels: Sequence[Kernel]) -> list[float]:
     return offsets
 
 
-def label_kernels(kernels: Sequence[Kernel], num_layers: int) -> list[str]:
+def projections_of(shape: ModelShape) -> tuple[str, ...]:
+    """The projections of each layer, in order: a dense layer's, or a sparse one's when every
+    layer is sparse (a mix of the two is left unnamed)."""
+    if shape.num_sparse_layers and shape.num_sparse_layers == shape.num_layers:
+        return MOE_PROJECTIONS
+    return PROJECTIONS
+
+
+def label_kernels(
+    kernels: Sequence[Kernel], num_layers: int, projections: Sequence[str] = PROJECTIONS
+) -> list[str]:
     """Each kernel's part; GEMM runs named by their place in the step where they fit."""
     parts = [kernel_part(k.name) for k in kernels]
     runs: list[list[int]] = []
@@ -140,11 +163,11 @@ def label_kernels(kernels: Sequence[Kernel], num_layers: int) -> list[str]:
             runs[-1].append(i)
         else:
             runs.append([i])
-    per_step = len(PROJECTIONS) * num_layers + 1
+    per_step = len(projections) * num_layers + 1
     if runs and len(runs) % per_step == 0:
         for n, run in enumerate(runs):
             place = n % per_step
-            name = LM_HEAD if place == per_step - 1 else PROJECTIONS[place % len(PROJECTIONS)]
+            name = LM_HEAD if place == per_step - 1 else projections[place % len(projections)]
             for i in run:
                 parts[i] = name
     return parts
@@ -184,13 +207,19 @@ def part_floors_us(
 ) -> dict[str, float]:
     """Each weight-reading part's bytes per step (and attention's KV) at the copy bandwidth."""
     h, d, layers = shape.hidden_size, shape.head_dim, shape.num_layers
+    dense = layers - shape.num_sparse_layers
     params = {
         "qkv": h * (shape.num_heads + 2 * shape.num_kv_heads) * d * layers,
         "o": shape.num_heads * d * h * layers,
-        "gate_up": 2 * h * shape.intermediate_size * layers,
-        "down": shape.intermediate_size * h * layers,
+        "gate_up": 2 * h * shape.intermediate_size * dense,
+        "down": shape.intermediate_size * h * dense,
         LM_HEAD: shape.lm_head_params,
     }
+    if shape.num_sparse_layers:
+        touched = shape.experts_touched(len(context_lens))
+        params["router"] = h * shape.num_experts * shape.num_sparse_layers
+        params[EXPERTS] = touched * shape.expert_params * shape.num_sparse_layers
+    params = {name: n for name, n in params.items() if n}
     per_s = roof.copy_bytes_per_s / 1e6
     floors = {name: n * shape.dtype_bytes / per_s for name, n in params.items()}
     kv_tokens = sum(context_lens) + len(context_lens)
@@ -210,7 +239,7 @@ def breakdown(
     step's (``part_floors_us``) when ``roof`` is given, or ``floors`` as given."""
     if not kernels or steps < 1:
         raise ValueError("no device kernels in the window: is this a CUDA run?")
-    parts = label_kernels(kernels, shape.num_layers)
+    parts = label_kernels(kernels, shape.num_layers, projections_of(shape))
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
     starts: dict[str, list[float]] = {}
