@@ -5,11 +5,10 @@ from kernels.argmax import argmax_rows
 from kernels.attention import paged_attention, store_kv
 from kernels.backend import use_triton
 from kernels.embedding import embedding
-from kernels.fused_moe import fused_moe
+from kernels.fused_moe import moe_mlp, moe_mlp_add_rms_norm
 from kernels.linear import linear
 from kernels.linear_fused import linear_silu_and_mul
 from kernels.linear_norm import linear_add_rms_norm
-from kernels.moe_routing import moe_route
 from kernels.pending_norm import PendingNorm, as_tensor
 from kernels.prefill_work import prefill_queries_per_tile, prefill_work_table
 from kernels.rmsnorm import embed_rms_norm, fused_add_rms_norm, rms_norm
@@ -24,11 +23,11 @@ __all__ = [
     "embed_rms_norm",
     "embedding",
     "fused_add_rms_norm",
-    "fused_moe",
     "linear",
     "linear_add_rms_norm",
     "linear_silu_and_mul",
-    "moe_route",
+    "moe_mlp",
+    "moe_mlp_add_rms_norm",
     "paged_attention",
     "prefill_queries_per_tile",
     "prefill_work_table",

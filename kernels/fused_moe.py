@@ -18,8 +18,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import cdiv, dot_needs_fp32, load_triton, triton_jit, use_triton
-from kernels.moe_routing import MoeGroups, moe_group
+from kernels import pdl
+from kernels.backend import (
+    cdiv,
+    dot_needs_fp32,
+    load_triton,
+    next_power_of_2,
+    triton_jit,
+    use_pdl,
+    use_triton,
+)
+from kernels.moe_routing import (
+    MoeGroups,
+    moe_group,
+    moe_route_and_group_triton,
+    moe_route_ref,
+)
+from kernels.rmsnorm import fused_add_rms_norm_ref
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -81,9 +96,12 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    LAUNCH_SUCCESSOR: tl.constexpr,
 ):
     # ``GATED``: out = silu(a @ w[:N]^T) * (a @ w[N:2N]^T), a's rows are tokens (pair //
     # top_k). Otherwise out = (a @ w^T) * pair weight, a's rows are pairs; out is float32.
+    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     block = pid // num_n_blocks
@@ -166,6 +184,7 @@ def _grouped_gemm(
 ) -> None:
     num_blocks = groups.block_expert.shape[0]
     grid = (num_blocks * cdiv(n, block_n),)
+    with_pdl = use_pdl(a)
     _grouped_gemm_kernel[grid](
         a,
         w,
@@ -190,30 +209,28 @@ def _grouped_gemm(
         FP32_DOT=dot_needs_fp32(a.dtype),
         # float32 models get IEEE products, as from the reference, not tf32's 10-bit ones.
         PRECISION="ieee" if a.dtype == torch.float32 or dot_needs_fp32(a.dtype) else "tf32",
+        USE_PDL=with_pdl,
+        LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "moe_grouped_gemm"),
         num_warps=warps,
         num_stages=3,
+        **pdl.launch_options(with_pdl),
     )
 
 
-def fused_moe_triton(
+def _per_pair_triton(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
-    topk_experts: torch.Tensor,
+    groups: MoeGroups,
+    tiles: tuple[int, int, int, int],
 ) -> torch.Tensor:
+    """Each pair's weighted expert output, ``[T, top_k, H]`` float32."""
     num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    intermediate = two_i // 2
-    top_k = topk_experts.shape[1]
+    top_k = topk_weights.shape[1]
     num_pairs = num_tokens * top_k
-    if num_tokens == 0:
-        return torch.empty_like(x)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    block_m, block_n, block_k, warps = _tiles(num_tokens)
-    load_triton()
-    groups = moe_group(topk_experts, num_experts, block_m)
+    _, block_n, block_k, warps = tiles
+    intermediate = w13.shape[1] // 2
     activation = torch.empty((num_pairs, intermediate), dtype=x.dtype, device=x.device)
     _grouped_gemm(
         x, w13, activation, groups, num_pairs, intermediate, top_k, None, block_n, block_k, warps
@@ -223,7 +240,24 @@ def fused_moe_triton(
     _grouped_gemm(
         activation, w2, per_pair, groups, num_pairs, hidden, 1, weights, block_n, block_k, warps
     )
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    return per_pair.view(num_tokens, top_k, hidden)
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_experts: torch.Tensor,
+) -> torch.Tensor:
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    tiles = _tiles(x.shape[0])
+    load_triton()
+    groups = moe_group(topk_experts, w13.shape[0], tiles[0])
+    return _per_pair_triton(x, w13, w2, topk_weights, groups, tiles).sum(dim=1).to(x.dtype)
 
 
 def fused_moe(
@@ -236,3 +270,137 @@ def fused_moe(
     if use_triton(x):
         return fused_moe_triton(x, w13, w2, topk_weights, topk_experts)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_experts)
+
+
+# --- the sum over a token's experts, with the residual add and RMSNorm that follow ---------
+
+
+def moe_sum_add_rms_norm_ref(
+    per_pair: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``per_pair [T, top_k, H]`` float32 summed over the experts and rounded to the
+    residual's dtype, then ``fused_add_rms_norm``: ``(rms_norm(sum + residual), sum +
+    residual)``."""
+    return fused_add_rms_norm_ref(per_pair.sum(dim=1).to(residual.dtype), residual, weight, eps)
+
+
+@triton_jit(do_not_specialize=("num_tokens",))
+def _sum_add_norm_kernel(
+    per_pair_ptr,
+    residual_ptr,
+    weight_ptr,
+    normed_ptr,
+    new_residual_ptr,
+    num_tokens,
+    hidden,
+    eps,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    LAUNCH_SUCCESSOR: tl.constexpr,
+):
+    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        total += tl.load(per_pair_ptr + (token * TOP_K + j) * hidden + cols, mask=mask, other=0.0)
+    dtype = residual_ptr.dtype.element_ty
+    residual = tl.load(residual_ptr + token * hidden + cols, mask=mask, other=0.0)
+    new_residual = (total.to(dtype).to(tl.float32) + residual.to(tl.float32)).to(dtype)
+    tl.store(new_residual_ptr + token * hidden + cols, new_residual, mask=mask)
+    x = new_residual.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(normed_ptr + token * hidden + cols, (x * inv_rms * weight).to(dtype), mask=mask)
+
+
+def moe_sum_add_rms_norm_triton(
+    per_pair: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, top_k, hidden = per_pair.shape
+    residual = residual.contiguous()
+    normed = torch.empty_like(residual)
+    new_residual = torch.empty_like(residual)
+    if num_tokens == 0:
+        return normed, new_residual
+    load_triton()
+    with_pdl = use_pdl(per_pair)
+    block_h = next_power_of_2(hidden)
+    _sum_add_norm_kernel[(num_tokens,)](
+        per_pair,
+        residual,
+        weight,
+        normed,
+        new_residual,
+        num_tokens,
+        hidden,
+        eps,
+        TOP_K=top_k,
+        BLOCK_H=block_h,
+        USE_PDL=with_pdl,
+        LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "moe_sum_add_norm"),
+        num_warps=max(1, min(8, block_h // 256)),
+        **pdl.launch_options(with_pdl),
+    )
+    return normed, new_residual
+
+
+# --- the whole sparse MLP --------------------------------------------------------------
+
+
+def moe_mlp(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """Route ``x [T, H]`` by ``router_logits [T, E]`` and run it through its experts."""
+    if not use_triton(x):
+        weights, experts = moe_route_ref(router_logits, top_k, renormalize)
+        return fused_moe_ref(x, w13, w2, weights, experts)
+    per_pair = _routed_per_pair(x, router_logits, w13, w2, top_k, renormalize)
+    return per_pair.sum(dim=1).to(x.dtype)
+
+
+def moe_mlp_add_rms_norm(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_mlp`` then ``fused_add_rms_norm``; on a GPU the experts' sum ends in the add
+    and the norm, one kernel."""
+    if not use_triton(x):
+        out = moe_mlp(x, router_logits, w13, w2, top_k, renormalize)
+        return fused_add_rms_norm_ref(out, residual, norm_weight, eps)
+    per_pair = _routed_per_pair(x, router_logits, w13, w2, top_k, renormalize)
+    return moe_sum_add_rms_norm_triton(per_pair, residual, norm_weight, eps)
+
+
+def _routed_per_pair(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    if top_k > router_logits.shape[-1]:
+        raise ValueError(f"top_k {top_k} exceeds the {router_logits.shape[-1]} experts")
+    if x.shape[0] == 0:
+        return torch.zeros((0, top_k, x.shape[1]), dtype=torch.float32, device=x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    tiles = _tiles(x.shape[0])
+    load_triton()
+    weights, _, groups = moe_route_and_group_triton(router_logits, top_k, renormalize, tiles[0])
+    return _per_pair_triton(x, w13, w2, weights, groups, tiles)

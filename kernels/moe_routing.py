@@ -9,6 +9,9 @@ expert, each expert's run padded to a multiple of ``block_m`` rows, so that ever
 once for the whole block. Both run on the device without a host synchronisation and with
 shapes fixed by the token count alone, so a decode step keeps them inside its CUDA graph.
 
+Up to ``FUSED_ROUTING_MAX_TOKENS`` tokens (decode batches) one single-program kernel routes
+and groups: a step of a sparse layer then launches one kernel for both instead of two.
+
 The layout (``MoeGroups``), for ``P = tokens * top_k`` pairs numbered ``token * top_k + j``:
 - ``sorted_pairs [max_padded]``: pair numbers, expert by expert, each expert's in rising
   order; padding rows hold ``P``;
@@ -23,9 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backend import cdiv, load_triton, next_power_of_2, triton_jit, use_triton
+from kernels import pdl
+from kernels.backend import cdiv, load_triton, next_power_of_2, triton_jit, use_pdl, use_triton
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
+
+
+FUSED_ROUTING_MAX_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -70,8 +77,11 @@ def _route_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    LAUNCH_SUCCESSOR: tl.constexpr,
 ):
     # One program a token: the experts fit one tile, and top-k is k rounds of arg-max.
+    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     logits = tl.load(
@@ -106,6 +116,7 @@ def moe_route_triton(
     if num_tokens == 0:
         return weights, experts
     load_triton()
+    with_pdl = use_pdl(router_logits)
     _route_kernel[(num_tokens,)](
         router_logits,
         weights,
@@ -117,7 +128,10 @@ def moe_route_triton(
         BLOCK_E=next_power_of_2(num_experts),
         BLOCK_K=next_power_of_2(top_k),
         RENORMALIZE=renormalize,
+        USE_PDL=with_pdl,
+        LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "moe_route"),
         num_warps=4 if num_experts > 256 else 1,
+        **pdl.launch_options(with_pdl),
     )
     return weights, experts
 
@@ -156,7 +170,7 @@ def moe_group_ref(experts: torch.Tensor, num_experts: int, block_m: int) -> MoeG
     return MoeGroups(sorted_pairs, block_expert, num_padded.to(torch.int32), block_m)
 
 
-@triton_jit(do_not_specialize=("num_pairs", "max_padded"))
+@triton_jit(do_not_specialize=("num_pairs", "max_padded", "num_tokens"))
 def _group_kernel(
     experts_ptr,
     sorted_pairs_ptr,
@@ -164,15 +178,60 @@ def _group_kernel(
     num_padded_ptr,
     num_pairs,
     max_padded,
+    logits_ptr,
+    weights_ptr,
+    num_tokens,
+    stride_logits,
     BLOCK_M: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
+    ROUTE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    TOKEN_CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    LAUNCH_SUCCESSOR: tl.constexpr,
 ):
     # One program: the pairs are few (tokens x top_k) and every placement depends on the
     # counts of all of them. Experts' counts go through one-hot [CHUNK, BLOCK_E] tiles.
+    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     expert_ids = tl.arange(0, BLOCK_E)
     lanes = tl.arange(0, CHUNK)
+    if ROUTE:
+        # ``_route_kernel``'s work for every token, TOKEN_CHUNK rows at a time; the experts
+        # chosen are read back below, after a barrier.
+        slots = tl.arange(0, BLOCK_K)
+        for t0 in range(0, num_tokens, TOKEN_CHUNK):
+            tokens = t0 + tl.arange(0, TOKEN_CHUNK)
+            token_ok = tokens < num_tokens
+            logits = tl.load(
+                logits_ptr + tokens.to(tl.int64)[:, None] * stride_logits + expert_ids[None, :],
+                mask=token_ok[:, None] & (expert_ids[None, :] < NUM_EXPERTS),
+                other=float("-inf"),
+            ).to(tl.float32)
+            # Rows past the last token route something harmless, never stored.
+            logits = tl.where(token_ok[:, None], logits, 0.0)
+            exps = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+            probs = exps / tl.sum(exps, axis=1)[:, None]
+            remaining = tl.where(expert_ids[None, :] < NUM_EXPERTS, probs, -1.0)
+            chosen_weights = tl.zeros([TOKEN_CHUNK, BLOCK_K], dtype=tl.float32)
+            chosen_experts = tl.zeros([TOKEN_CHUNK, BLOCK_K], dtype=tl.int32)
+            for j in tl.static_range(TOP_K):
+                best = tl.max(remaining, axis=1)
+                is_best = remaining == best[:, None]
+                index = tl.min(tl.where(is_best, expert_ids[None, :], BLOCK_E), axis=1)
+                chosen_weights = tl.where(slots[None, :] == j, best[:, None], chosen_weights)
+                chosen_experts = tl.where(slots[None, :] == j, index[:, None], chosen_experts)
+                remaining = tl.where(expert_ids[None, :] == index[:, None], -2.0, remaining)
+            if RENORMALIZE:
+                chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=1)[:, None]
+            at = tokens[:, None] * TOP_K + slots[None, :]
+            keep = token_ok[:, None] & (slots[None, :] < TOP_K)
+            tl.store(weights_ptr + at, chosen_weights, mask=keep)
+            tl.store(experts_ptr + at, chosen_experts, mask=keep)
+        tl.debug_barrier()
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
         ids = tl.load(experts_ptr + start + lanes, mask=start + lanes < num_pairs, other=-1)
@@ -212,32 +271,81 @@ def _group_kernel(
         seen += tl.sum(onehot, axis=0)
 
 
-def moe_group_triton(experts: torch.Tensor, num_experts: int, block_m: int) -> MoeGroups:
+def _launch_group(
+    experts: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    route: tuple[torch.Tensor, torch.Tensor, int, bool] | None,
+) -> MoeGroups:
+    """The grouping kernel over ``experts`` (``[P]`` int32); with ``route = (logits,
+    weights, top_k, renormalize)`` it first writes ``experts`` and ``weights`` itself."""
     device = experts.device
-    flat = experts.reshape(-1)
-    if flat.dtype != torch.int32:
-        flat = flat.to(torch.int32)
-    num_pairs = flat.numel()
+    num_pairs = experts.numel()
     max_padded = max_padded_rows(num_pairs, num_experts, block_m)
     sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     load_triton()
     block_e = next_power_of_2(num_experts)
+    logits, weights, top_k, renormalize = route or (experts, experts, 1, False)
+    with_pdl = use_pdl(experts)
     _group_kernel[(1,)](
-        flat,
+        experts,
         sorted_pairs,
         block_expert,
         num_padded,
         num_pairs,
         max_padded,
+        logits,
+        weights,
+        logits.shape[0] if route else 0,
+        logits.stride(0) if route else 0,
         BLOCK_M=block_m,
         NUM_EXPERTS=num_experts,
         BLOCK_E=block_e,
         CHUNK=max(16, min(64, 8192 // block_e)),
+        ROUTE=route is not None,
+        TOP_K=top_k,
+        BLOCK_K=next_power_of_2(top_k),
+        RENORMALIZE=renormalize,
+        TOKEN_CHUNK=max(1, min(16, 2048 // block_e)),
+        USE_PDL=with_pdl,
+        LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "moe_group"),
         num_warps=4,
+        **pdl.launch_options(with_pdl),
     )
     return MoeGroups(sorted_pairs, block_expert, num_padded, block_m)
+
+
+def moe_group_triton(experts: torch.Tensor, num_experts: int, block_m: int) -> MoeGroups:
+    flat = experts.reshape(-1)
+    if flat.dtype != torch.int32:
+        flat = flat.to(torch.int32)
+    return _launch_group(flat, num_experts, block_m, None)
+
+
+def moe_route_and_group_ref(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, MoeGroups]:
+    weights, experts = moe_route_ref(router_logits, top_k, renormalize)
+    return weights, experts, moe_group_ref(experts, router_logits.shape[1], block_m)
+
+
+def moe_route_and_group_triton(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, MoeGroups]:
+    """``moe_route`` then ``moe_group``: in one kernel up to ``FUSED_ROUTING_MAX_TOKENS``
+    tokens, in two above."""
+    num_tokens, num_experts = router_logits.shape
+    if num_tokens > FUSED_ROUTING_MAX_TOKENS:
+        weights, experts = moe_route_triton(router_logits, top_k, renormalize)
+        return weights, experts, moe_group_triton(experts, num_experts, block_m)
+    device = router_logits.device
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
+    experts = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
+    route = (router_logits, weights, top_k, renormalize)
+    groups = _launch_group(experts.view(-1), num_experts, block_m, route)
+    return weights, experts, groups
 
 
 def moe_group(experts: torch.Tensor, num_experts: int, block_m: int) -> MoeGroups:

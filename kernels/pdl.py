@@ -107,6 +107,10 @@ LAUNCHING_KERNELS = (
     "rows_gemv_silu",
     "skinny",
     "skinny_add",
+    "moe_route",
+    "moe_group",
+    "moe_grouped_gemm",
+    "moe_sum_add_norm",
 )
 DEFAULT_LATE_LAUNCH = frozenset({"rows_gemv_add"})
 

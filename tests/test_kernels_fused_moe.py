@@ -11,20 +11,32 @@ import torch
 import torch.nn.functional as F
 from triton_test_util import CUDA, DEVICE, SEED, check, gen, poisoned, randn, requires_triton
 
-from kernels.fused_moe import fused_moe, fused_moe_ref, fused_moe_triton
+from kernels.fused_moe import (
+    fused_moe,
+    fused_moe_ref,
+    fused_moe_triton,
+    moe_mlp,
+    moe_mlp_add_rms_norm,
+    moe_sum_add_rms_norm_ref,
+    moe_sum_add_rms_norm_triton,
+)
 from kernels.moe_routing import (
+    FUSED_ROUTING_MAX_TOKENS,
     max_padded_rows,
     moe_group_ref,
     moe_group_triton,
     moe_route,
+    moe_route_and_group_ref,
+    moe_route_and_group_triton,
     moe_route_ref,
     moe_route_triton,
 )
+from kernels.rmsnorm import fused_add_rms_norm_ref
 
 # (tokens, experts, top_k): one decode row, a few rows, rows sharing few experts, more
 # pairs than a grouping chunk, and on a GPU Qwen3-30B-A3B's router at batch 64 and a prefill.
-ROUTING_SHAPES = [(1, 8, 2), (5, 8, 2), (9, 4, 4), (37, 16, 3), (70, 128, 8)] + (
-    [(64, 128, 8), (1000, 128, 8)] if CUDA else []
+ROUTING_SHAPES = [(1, 8, 2), (5, 8, 2), (9, 4, 4), (37, 16, 3), (64, 128, 8), (70, 128, 8)] + (
+    [(8, 128, 8), (1000, 128, 8)] if CUDA else []
 )
 
 
@@ -110,6 +122,71 @@ def test_group_kernel_matches_reference(tokens, experts, top_k, block_m):
     assert torch.equal(got.num_padded.cpu(), want.num_padded.cpu()), what
     assert torch.equal(got.block_expert.cpu(), want.block_expert.cpu()), what
     assert torch.equal(got.sorted_pairs.cpu(), want.sorted_pairs.cpu()), what
+
+
+@requires_triton
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens,experts,top_k", ROUTING_SHAPES)
+def test_route_and_group_matches_reference(tokens, experts, top_k, renormalize):
+    # Up to FUSED_ROUTING_MAX_TOKENS tokens one kernel does both, above two.
+    assert any(t <= FUSED_ROUTING_MAX_TOKENS for t, _, _ in ROUTING_SHAPES)
+    assert any(t > FUSED_ROUTING_MAX_TOKENS for t, _, _ in ROUTING_SHAPES)
+    logits = _distinct_logits(tokens, experts, 3 * tokens + experts)
+    with poisoned():
+        weights, chosen, groups = moe_route_and_group_triton(logits, top_k, renormalize, 16)
+    want_weights, want_experts, want = moe_route_and_group_ref(logits, top_k, renormalize, 16)
+    what = f"{tokens}x{experts} top {top_k} (seed {SEED})"
+    assert torch.equal(chosen.cpu(), want_experts.cpu()), what
+    check(weights, want_weights, f"routing weights {what}")
+    assert torch.equal(groups.num_padded.cpu(), want.num_padded.cpu()), what
+    assert torch.equal(groups.block_expert.cpu(), want.block_expert.cpu()), what
+    assert torch.equal(groups.sorted_pairs.cpu(), want.sorted_pairs.cpu()), what
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "tokens,top_k,hidden", [(1, 2, 64), (5, 3, 100)] + ([(64, 8, 2048)] if CUDA else [])
+)
+def test_sum_add_rms_norm_kernel_matches_reference(tokens, top_k, hidden, dtype):
+    g = gen(tokens + top_k + hidden)
+    per_pair = randn(tokens, top_k, hidden, g=g, dtype=torch.float32)
+    residual = randn(tokens, hidden, g=g, dtype=dtype)
+    weight = randn(hidden, g=g, dtype=dtype, scale=0.1) + 1.0
+    with poisoned():
+        normed, new_residual = moe_sum_add_rms_norm_triton(per_pair, residual, weight, 1e-6)
+    want_normed, want_residual = moe_sum_add_rms_norm_ref(per_pair, residual, weight, 1e-6)
+    check(new_residual, want_residual, f"residual {tokens}x{top_k}x{hidden}")
+    check(normed, want_normed, f"normed {tokens}x{top_k}x{hidden}")
+
+
+@requires_triton
+@pytest.mark.parametrize("tokens", [1, 3, FUSED_ROUTING_MAX_TOKENS + 1])
+def test_whole_sparse_mlp_matches_reference(tokens, monkeypatch):
+    """Routing, grouping, both GEMMs and the sum with its add and norm, as the layer calls
+    them, against the references (float32)."""
+    import kernels.fused_moe as fused
+
+    hidden, inter, experts, top_k = 48, 24, 6, 2
+    g = gen(tokens + 99)
+    x = randn(tokens, hidden, g=g, dtype=torch.float32)
+    w13 = randn(experts, 2 * inter, hidden, g=g, dtype=torch.float32, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inter, g=g, dtype=torch.float32, scale=inter**-0.5)
+    logits = _distinct_logits(tokens, experts, tokens)
+    residual = randn(tokens, hidden, g=g, dtype=torch.float32)
+    weight = randn(hidden, g=g, dtype=torch.float32, scale=0.1) + 1.0
+    weights, chosen = moe_route_ref(logits.cpu(), top_k, True)
+    want = fused_moe_ref(x.cpu(), w13.cpu(), w2.cpu(), weights, chosen)
+    want_normed, want_residual = fused_add_rms_norm_ref(want, residual.cpu(), weight.cpu(), 1e-6)
+    monkeypatch.setattr(fused, "use_triton", lambda t: True)
+    with poisoned():
+        out = moe_mlp(x, logits, w13, w2, top_k, True)
+        normed, new_residual = moe_mlp_add_rms_norm(
+            x, logits, w13, w2, top_k, True, residual, weight, 1e-6
+        )
+    check(out.cpu(), want, f"moe_mlp {tokens} tokens")
+    check(new_residual.cpu(), want_residual, f"moe residual {tokens} tokens")
+    check(normed.cpu(), want_normed, f"moe normed {tokens} tokens")
 
 
 def _plain_moe(x, w13, w2, weights, experts):

@@ -10,12 +10,17 @@ shard ``(expert, "gate" | "up" | "down")``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 import kernels
 from worker_proc.layers.linear import _check_shape, _new_param, divide
 from worker_proc.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+
+if TYPE_CHECKING:
+    from worker_proc.layers.norm import RMSNorm
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -72,6 +77,24 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` routed by ``router_logits [T, E]`` -> ``[T, H]``, summed over ranks."""
-        weights, experts = kernels.moe_route(router_logits, self.top_k, self.renormalize)
-        out = kernels.fused_moe(x, self.w13, self.w2, weights, experts)
+        out = kernels.moe_mlp(x, router_logits, self.w13, self.w2, self.top_k, self.renormalize)
         return tensor_model_parallel_all_reduce(out)
+
+    def forward_add_norm(
+        self, x: torch.Tensor, router_logits: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(self(x) + residual), self(x) + residual)``. On one rank the experts' sum
+        ends in the add and the norm; shards add after their all-reduce."""
+        if self.tp_size > 1:
+            return norm(self(x, router_logits), residual)
+        return kernels.moe_mlp_add_rms_norm(
+            x,
+            router_logits,
+            self.w13,
+            self.w2,
+            self.top_k,
+            self.renormalize,
+            residual,
+            norm.weight,
+            norm.eps,
+        )

@@ -60,8 +60,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
     ) -> tuple[Activation, torch.Tensor]:
         """``(norm(moe + residual), moe + residual)``."""
         x = kernels.as_tensor(x)  # the router and the experts both read the normed rows
-        out = self.experts(x, self.gate(x))
-        return norm(out, residual)
+        return self.experts.forward_add_norm(x, self.gate(x), residual, norm)
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
