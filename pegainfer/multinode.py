@@ -189,6 +189,8 @@ def check_tensor_parallel(
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     intermediate = int(hf.get("intermediate_size") or heads)
+    # A mixture of experts splits each expert's intermediate features too.
+    expert_intermediate = int(hf.get("moe_intermediate_size") or intermediate)
     problems = []
     if heads % tp_size:
         problems.append(f"the {heads} attention heads")
@@ -196,10 +198,12 @@ def check_tensor_parallel(
         problems.append(f"the {kv_heads} kv heads (nor is it a multiple of them)")
     if intermediate % tp_size:
         problems.append(f"the MLP's {intermediate} intermediate features")
+    if expert_intermediate % tp_size:
+        problems.append(f"each expert's {expert_intermediate} intermediate features")
     if problems:
         usable = [
             n
-            for n in _sizes_that_divide(heads, intermediate)
+            for n in _sizes_that_divide(heads, intermediate, expert_intermediate)
             if n % kv_heads == 0 or kv_heads % n == 0
         ]
         raise ValueError(

@@ -108,6 +108,19 @@ def test_tensor_parallel_size_must_shard_the_model(tmp_path):
     )
     with pytest.raises(ValueError, match="the MLP's 30 intermediate features"):
         multinode.check_tensor_parallel(odd_mlp, 4)
+    # Qwen3-30B-A3B's experts are 768 wide: 8 ranks split them, but not with 36 features.
+    moe_like = _write_config(
+        tmp_path,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        intermediate_size=6144,
+        moe_intermediate_size=36,
+    )
+    multinode.check_tensor_parallel(moe_like, 4)
+    with pytest.raises(ValueError) as err:
+        multinode.check_tensor_parallel(moe_like, 8)
+    assert "each expert's 36 intermediate features" in str(err.value)
+    assert "sizes that work for this model: 1, 2, 4" in str(err.value)
 
 
 def test_command_line_carries_the_node_options():
