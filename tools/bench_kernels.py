@@ -253,6 +253,15 @@ def moe_cases(
         )
         rows.append(
             (
+                f"moe route + group T={tokens}",
+                lambda g=logits: moe_routing.moe_route_and_group_triton(g, top_k, True, 16),
+                lambda g=logits: moe_routing.moe_route_and_group_ref(g, top_k, True, 16),
+                logits.numel() * ELEM + tokens * top_k * 8,
+                0.0,
+            )
+        )
+        rows.append(
+            (
                 f"fused_moe T={tokens} ({touched} experts)",
                 lambda a=args: fused_moe_triton(*a),
                 lambda a=args: fused_moe_ref(*a),
