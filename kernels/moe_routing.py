@@ -13,8 +13,9 @@ Up to ``FUSED_ROUTING_MAX_TOKENS`` tokens (decode batches) one single-program ke
 and groups: a step of a sparse layer then launches one kernel for both instead of two.
 
 The layout (``MoeGroups``), for ``P = tokens * top_k`` pairs numbered ``token * top_k + j``:
-- ``sorted_pairs [max_padded]``: pair numbers, expert by expert, each expert's in rising
-  order; padding rows hold ``P``;
+- ``sorted_pairs [max_padded]``: pair numbers, expert by expert, each expert's pairs first in
+  its run (in no set order on a GPU; rising in the reference), padding rows after, holding
+  ``P``;
 - ``block_expert [max_blocks]``: the expert of each block of rows, -1 past the last used
   block;
 - ``num_padded [1]``: the rows in use, a multiple of ``block_m``.
@@ -176,6 +177,7 @@ def _group_kernel(
     sorted_pairs_ptr,
     block_expert_ptr,
     num_padded_ptr,
+    cursor_ptr,
     num_pairs,
     max_padded,
     logits_ptr,
@@ -186,6 +188,7 @@ def _group_kernel(
     NUM_EXPERTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
+    PAIR_CHUNK: tl.constexpr,
     ROUTE: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -232,21 +235,28 @@ def _group_kernel(
             tl.store(weights_ptr + at, chosen_weights, mask=keep)
             tl.store(experts_ptr + at, chosen_experts, mask=keep)
         tl.debug_barrier()
+    # Counts by histogram (shared-memory atomics); a lane past the last pair reads expert 0
+    # and is taken back out of its bin.
+    pair_lanes = tl.arange(0, PAIR_CHUNK)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        ids = tl.load(experts_ptr + start + lanes, mask=start + lanes < num_pairs, other=-1)
-        counts += tl.sum((ids[:, None] == expert_ids[None, :]).to(tl.int32), axis=0)
+    for start in range(0, num_pairs, PAIR_CHUNK):
+        in_range = start + pair_lanes < num_pairs
+        ids = tl.load(experts_ptr + start + pair_lanes, mask=in_range, other=0)
+        counts += tl.histogram(ids, BLOCK_E)
+        outside = tl.sum((~in_range).to(tl.int32), axis=0)
+        counts -= tl.where(expert_ids == 0, outside, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
     padded_start = padded_end - padded
     total = tl.sum(padded, axis=0)
     tl.store(num_padded_ptr, total)
+    tl.store(cursor_ptr + expert_ids, padded_start, mask=expert_ids < NUM_EXPERTS)
 
-    for start in range(0, max_padded, CHUNK):
-        rows = start + lanes
+    for start in range(0, max_padded, PAIR_CHUNK):
+        rows = start + pair_lanes
         tl.store(
             sorted_pairs_ptr + rows,
-            tl.zeros([CHUNK], dtype=tl.int32) + num_pairs,
+            tl.zeros([PAIR_CHUNK], dtype=tl.int32) + num_pairs,
             mask=rows < max_padded,
         )
     for start in range(0, max_padded // BLOCK_M, CHUNK):
@@ -256,19 +266,19 @@ def _group_kernel(
         owner = tl.sum(ended.to(tl.int32), axis=1)
         owner = tl.where(block_rows < total, owner, -1)
         tl.store(block_expert_ptr + blocks, owner, mask=blocks < max_padded // BLOCK_M)
-    # The padding stores above and the placements below may hit one row from two threads.
+    # The padding and cursor stores above and the placements below may hit one address from
+    # two threads.
     tl.debug_barrier()
 
-    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
-    earlier = lanes[None, :] < lanes[:, None]
-    for start in range(0, num_pairs, CHUNK):
-        pairs = start + lanes
-        ids = tl.load(experts_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        onehot = (ids[:, None] == expert_ids[None, :]).to(tl.int32)
-        base = tl.sum(onehot * (padded_start + seen)[None, :], axis=1)
-        same_before = tl.sum(((ids[:, None] == ids[None, :]) & earlier).to(tl.int32), axis=1)
-        tl.store(sorted_pairs_ptr + base + same_before, pairs, mask=pairs < num_pairs)
-        seen += tl.sum(onehot, axis=0)
+    # Each pair takes the next row of its expert's run. Which of an expert's rows a pair
+    # gets depends on the order the atomics land in, not what is computed for it: each row of
+    # the grouped GEMMs is its pair's own.
+    for start in range(0, num_pairs, PAIR_CHUNK):
+        pairs = start + pair_lanes
+        in_range = pairs < num_pairs
+        ids = tl.load(experts_ptr + pairs, mask=in_range, other=0)
+        row = tl.atomic_add(cursor_ptr + ids, 1, mask=in_range)
+        tl.store(sorted_pairs_ptr + row, pairs, mask=in_range)
 
 
 def _launch_group(
@@ -285,6 +295,7 @@ def _launch_group(
     sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
     load_triton()
     block_e = next_power_of_2(num_experts)
     logits, weights, top_k, renormalize = route or (experts, experts, 1, False)
@@ -294,6 +305,7 @@ def _launch_group(
         sorted_pairs,
         block_expert,
         num_padded,
+        cursor,
         num_pairs,
         max_padded,
         logits,
@@ -304,6 +316,7 @@ def _launch_group(
         NUM_EXPERTS=num_experts,
         BLOCK_E=block_e,
         CHUNK=max(16, min(64, 8192 // block_e)),
+        PAIR_CHUNK=512,
         ROUTE=route is not None,
         TOP_K=top_k,
         BLOCK_K=next_power_of_2(top_k),
