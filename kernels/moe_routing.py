@@ -90,6 +90,9 @@ def _route_kernel(
     ).to(tl.float32)
     exps = tl.exp(logits - tl.max(logits, axis=0))
     probs = exps / tl.sum(exps, axis=0)
+    # A row of NaN (a padding row of a graph, say) would match no expert: it gets the first
+    # ones at weight 0 instead, so every expert id stays in range.
+    probs = tl.where(probs == probs, probs, 0.0)
     remaining = tl.where(offs < num_experts, probs, -1.0)
     slots = tl.arange(0, BLOCK_K)
     chosen_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -102,7 +105,7 @@ def _route_kernel(
         chosen_experts = tl.where(slots == j, index, chosen_experts)
         remaining = tl.where(offs == index, -2.0, remaining)
     if RENORMALIZE:
-        chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=0)
+        chosen_weights = chosen_weights / tl.maximum(tl.sum(chosen_weights, axis=0), 1e-30)
     keep = slots < TOP_K
     tl.store(weights_ptr + token * TOP_K + slots, chosen_weights, mask=keep)
     tl.store(experts_ptr + token * TOP_K + slots, chosen_experts, mask=keep)
@@ -218,6 +221,7 @@ def _group_kernel(
             logits = tl.where(token_ok[:, None], logits, 0.0)
             exps = tl.exp(logits - tl.max(logits, axis=1)[:, None])
             probs = exps / tl.sum(exps, axis=1)[:, None]
+            probs = tl.where(probs == probs, probs, 0.0)  # as in _route_kernel
             remaining = tl.where(expert_ids[None, :] < NUM_EXPERTS, probs, -1.0)
             chosen_weights = tl.zeros([TOKEN_CHUNK, BLOCK_K], dtype=tl.float32)
             chosen_experts = tl.zeros([TOKEN_CHUNK, BLOCK_K], dtype=tl.int32)
@@ -229,7 +233,8 @@ def _group_kernel(
                 chosen_experts = tl.where(slots[None, :] == j, index[:, None], chosen_experts)
                 remaining = tl.where(expert_ids[None, :] == index[:, None], -2.0, remaining)
             if RENORMALIZE:
-                chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=1)[:, None]
+                total = tl.maximum(tl.sum(chosen_weights, axis=1), 1e-30)  # 0 for NaN rows
+                chosen_weights = chosen_weights / total[:, None]
             at = tokens[:, None] * TOP_K + slots[None, :]
             keep = token_ok[:, None] & (slots[None, :] < TOP_K)
             tl.store(weights_ptr + at, chosen_weights, mask=keep)
@@ -242,6 +247,8 @@ def _group_kernel(
     for start in range(0, num_pairs, PAIR_CHUNK):
         in_range = start + pair_lanes < num_pairs
         ids = tl.load(experts_ptr + start + pair_lanes, mask=in_range, other=0)
+        # Ids index the cursors below: one out of range must not write past them.
+        ids = tl.minimum(tl.maximum(ids, 0), NUM_EXPERTS - 1)
         counts += tl.histogram(ids, BLOCK_E)
         outside = tl.sum((~in_range).to(tl.int32), axis=0)
         counts -= tl.where(expert_ids == 0, outside, 0)
@@ -277,6 +284,7 @@ def _group_kernel(
         pairs = start + pair_lanes
         in_range = pairs < num_pairs
         ids = tl.load(experts_ptr + pairs, mask=in_range, other=0)
+        ids = tl.minimum(tl.maximum(ids, 0), NUM_EXPERTS - 1)
         row = tl.atomic_add(cursor_ptr + ids, 1, mask=in_range)
         tl.store(sorted_pairs_ptr + row, pairs, mask=in_range)
 

@@ -73,6 +73,22 @@ def test_route_kernel_matches_reference(tokens, experts, top_k, renormalize, dty
     check(weights, want_weights, f"routing weights {tokens}x{experts} top {top_k}")
 
 
+@requires_triton
+@pytest.mark.parametrize("tokens", [3, 70])
+def test_rows_of_nan_route_to_experts_in_range(tokens):
+    """A padding row of a decode graph attends to nothing and its router logits are NaN: it
+    must still name real experts (the grouping places pairs by expert id), at weight 0."""
+    logits = _distinct_logits(tokens, 16, tokens)
+    logits[1] = float("nan")
+    weights, chosen, groups = moe_route_and_group_triton(logits, 4, True, 16)
+    assert chosen.min().item() >= 0 and chosen.max().item() < 16
+    assert chosen[1].tolist() == [0, 1, 2, 3] and weights[1].abs().sum().item() == 0
+    want_weights, want_experts = moe_route_ref(logits[[0, 2]], 4, True)
+    assert torch.equal(chosen[[0, 2]].cpu(), want_experts.cpu())
+    placed = groups.sorted_pairs[groups.sorted_pairs < tokens * 4]
+    assert sorted(placed.tolist()) == list(range(tokens * 4))
+
+
 def test_route_rejects_more_experts_than_exist():
     with pytest.raises(ValueError, match="top_k 5 exceeds the 4 experts"):
         moe_route(torch.zeros(2, 4, device=DEVICE), 5, True)
