@@ -224,11 +224,24 @@ def cases(device: torch.device, quick: bool) -> list[tuple[str, Callable, Callab
     return rows + moe_cases(device, quick)
 
 
+def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` captured in a CUDA graph, as a decode step runs it: at a few tokens the MoE
+    path's half-dozen launches take longer on the host than its kernels on the GPU, and
+    timing them eagerly would time Python."""
+    fn()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def moe_cases(
     device: torch.device, quick: bool
 ) -> list[tuple[str, Callable, Callable, int, float]]:
     """Qwen3-30B-A3B's experts (128 of 2048 x 768, 8 a token): routing, and the two grouped
-    GEMMs with their grouping. The bytes are the experts the tokens touch, read once."""
+    GEMMs with their grouping, timed as graph replays. The bytes are the experts the tokens
+    touch, read once."""
     from kernels import moe_routing
     from kernels.fused_moe import fused_moe_ref, fused_moe_triton
 
@@ -245,8 +258,8 @@ def moe_cases(
         rows.append(
             (
                 f"moe route T={tokens}",
-                lambda g=logits: moe_routing.moe_route_triton(g, top_k, True),
-                lambda g=logits: moe_routing.moe_route_ref(g, top_k, True),
+                graphed(lambda g=logits: moe_routing.moe_route_triton(g, top_k, True)),
+                graphed(lambda g=logits: moe_routing.moe_route_ref(g, top_k, True)),
                 logits.numel() * ELEM + tokens * top_k * 8,
                 0.0,
             )
@@ -254,8 +267,10 @@ def moe_cases(
         rows.append(
             (
                 f"moe route + group T={tokens}",
-                lambda g=logits: moe_routing.moe_route_and_group_triton(g, top_k, True, 16),
-                lambda g=logits: moe_routing.moe_route_and_group_ref(g, top_k, True, 16),
+                graphed(
+                    lambda g=logits: moe_routing.moe_route_and_group_triton(g, top_k, True, 16)
+                ),
+                graphed(lambda g=logits: moe_routing.moe_route_and_group_ref(g, top_k, True, 16)),
                 logits.numel() * ELEM + tokens * top_k * 8,
                 0.0,
             )
@@ -263,8 +278,8 @@ def moe_cases(
         rows.append(
             (
                 f"fused_moe T={tokens} ({touched} experts)",
-                lambda a=args: fused_moe_triton(*a),
-                lambda a=args: fused_moe_ref(*a),
+                graphed(lambda a=args: fused_moe_triton(*a)),
+                graphed(lambda a=args: fused_moe_ref(*a)),
                 touched * 3 * hidden * inter * ELEM + 2 * x.numel() * ELEM,
                 2.0 * tokens * top_k * 3 * hidden * inter,
             )
