@@ -329,7 +329,9 @@ def _launch_group(
         TOP_K=top_k,
         BLOCK_K=next_power_of_2(top_k),
         RENORMALIZE=renormalize,
-        TOKEN_CHUNK=max(1, min(16, 2048 // block_e)),
+        # A batch-1 decode step routes one token, not a [16, E] tile of 15 empty rows; every
+        # other count shares one variant, so that no token count compiles one of its own.
+        TOKEN_CHUNK=1 if logits.shape[0] == 1 else max(1, min(16, 2048 // block_e)),
         USE_PDL=with_pdl,
         LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "moe_group"),
         num_warps=4,

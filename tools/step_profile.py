@@ -76,6 +76,7 @@ _MOE_PARTS = (
     ("_grouped_gemm_kernel", EXPERTS),
     ("_route_kernel", "moe routing + grouping"),
     ("_group_kernel", "moe routing + grouping"),
+    ("_sum_add_norm_kernel", "moe sum + add + rmsnorm"),
 )
 
 
