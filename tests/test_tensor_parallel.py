@@ -138,7 +138,9 @@ def _as_rank(rank: int, size: int):
         parallel_state._state.rank, parallel_state._state.size = saved
 
 
-def test_each_rank_reads_only_its_shard(checkpoint, monkeypatch):
+def _load_as_second_of_two(checkpoint: str, monkeypatch):
+    """The model as rank 1 of 2 loads it, each checkpoint tensor's elements read and total,
+    and the checkpoint's tensors in full."""
     from safetensors import safe_open
 
     slices = []
@@ -156,6 +158,15 @@ def test_each_rank_reads_only_its_shard(checkpoint, monkeypatch):
         )
     read = {w.name: w.elements_read for w in slices}
     total = {w.name: w.numel() for w in slices}
+    full = {}
+    for path in loader.checkpoint_files(checkpoint):
+        with safe_open(path, framework="pt") as f:
+            full.update({name: f.get_tensor(name) for name in f.keys()})
+    return model, read, total, full
+
+
+def test_each_rank_reads_only_its_shard(checkpoint, monkeypatch):
+    model, read, total, full = _load_as_second_of_two(checkpoint, monkeypatch)
     replicated = [n for n in read if "norm" in n]
     sharded = [n for n in read if n not in replicated]
     assert replicated and sharded
@@ -164,10 +175,6 @@ def test_each_rank_reads_only_its_shard(checkpoint, monkeypatch):
     for name in sharded:  # q/k/v/o, gate/up/down, embedding: half each, nothing more
         assert read[name] == total[name] // 2, (name, read[name], total[name])
 
-    full = {}
-    for path in loader.checkpoint_files(checkpoint):
-        with safe_open(path, framework="pt") as f:
-            full.update({name: f.get_tensor(name) for name in f.keys()})
     layer = model.model.layers[0]
     prefix = "model.layers.0."
     qkv = layer.self_attn.qkv_proj.weight
@@ -189,23 +196,7 @@ def test_each_rank_reads_only_its_shard(checkpoint, monkeypatch):
 
 
 def test_each_rank_reads_only_its_slice_of_every_expert(moe_checkpoint, monkeypatch):
-    from safetensors import safe_open
-
-    slices = []
-    original = loader.iterate_weight_slices
-
-    def spy(path, device):
-        for name, weight in original(path, device):
-            slices.append(weight)
-            yield name, weight
-
-    monkeypatch.setattr(loader, "iterate_weight_slices", spy)
-    with _as_rank(1, 2):
-        model = loader.load_model(
-            load_model_config(moe_checkpoint), moe_checkpoint, torch.device("cpu"), torch.float32
-        )
-    read = {w.name: w.elements_read for w in slices}
-    total = {w.name: w.numel() for w in slices}
+    model, read, total, full = _load_as_second_of_two(moe_checkpoint, monkeypatch)
     experts = [n for n in read if ".experts." in n]
     assert len(experts) == 2 * 8 * 3  # two sparse layers, eight experts, three projections
     for name in experts:
@@ -213,10 +204,6 @@ def test_each_rank_reads_only_its_slice_of_every_expert(moe_checkpoint, monkeypa
     router = "model.layers.0.mlp.gate.weight"
     assert read[router] == total[router]
 
-    full = {}
-    for path in loader.checkpoint_files(moe_checkpoint):
-        with safe_open(path, framework="pt") as f:
-            full.update({name: f.get_tensor(name) for name in f.keys()})
     moe = model.model.layers[2].mlp.experts
     prefix = "model.layers.2.mlp.experts.5."
     gate, up = full[prefix + "gate_proj.weight"], full[prefix + "up_proj.weight"]
