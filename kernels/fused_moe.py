@@ -3,7 +3,7 @@ experts of ``down_e(silu(gate_e(x)) * up_e(x))``.
 
 ``w13 [E, 2I, H]`` holds each expert's gate rows then its up rows, ``w2 [E, H, I]`` its down
 projection. The Triton path is two grouped GEMMs over the pairs grouped by expert
-(kernels/moe_routing.py): every program takes one expert's block of ``block_m`` pairs and
+(kernels/moe_grouping.py): every program takes one expert's block of ``block_m`` pairs and
 reads that expert's weight tiles once for all of them. The first ends in silu-and-mul and
 writes one activation row a pair; the second scales each pair's row by its routing weight
 and writes it in float32, and the ``top_k`` rows of a token are summed after.
@@ -28,12 +28,8 @@ from kernels.backend import (
     use_pdl,
     use_triton,
 )
-from kernels.moe_routing import (
-    MoeGroups,
-    moe_group,
-    moe_route_and_group_triton,
-    moe_route_ref,
-)
+from kernels.moe_grouping import MoeGroups, moe_group
+from kernels.moe_routing import moe_route_and_group_triton, moe_route_ref
 from kernels.rmsnorm import fused_add_rms_norm_ref
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()

@@ -1,4 +1,4 @@
-"""Mixture-of-experts kernels (kernels/moe_routing.py, kernels/fused_moe.py) against their
+"""Mixture-of-experts kernels (kernels/moe_routing.py, moe_grouping.py, fused_moe.py) against their
 references, and the references against the plain definition: each token's top-k experts by
 softmax probability, and the weighted sum of their gated MLPs. Fresh random inputs each run
 (seed in messages).
@@ -30,11 +30,9 @@ from kernels.fused_moe import (
     moe_sum_add_rms_norm_ref,
     moe_sum_add_rms_norm_triton,
 )
+from kernels.moe_grouping import max_padded_rows, moe_group_ref, moe_group_triton
 from kernels.moe_routing import (
     FUSED_ROUTING_MAX_TOKENS,
-    max_padded_rows,
-    moe_group_ref,
-    moe_group_triton,
     moe_route,
     moe_route_and_group_ref,
     moe_route_and_group_triton,
