@@ -249,7 +249,7 @@ def moe_cases(
     w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=DTYPE, device=device) * 0.02
     w2 = torch.randn(num_experts, hidden, inter, dtype=DTYPE, device=device) * 0.03
     rows: list[tuple[str, Callable, Callable, int, float]] = []
-    for tokens in [1, 8, 64] if quick else [1, 4, 8, 16, 64, 256, 2048]:
+    for tokens in [1, 8, 64, 2048] if quick else [1, 4, 8, 16, 64, 256, 2048]:
         logits = torch.randn(tokens, num_experts, dtype=DTYPE, device=device)
         weights, experts = moe_routing.moe_route_ref(logits, top_k, True)
         x = torch.randn(tokens, hidden, dtype=DTYPE, device=device)
