@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels import pdl
+from kernels import moe_grouping, pdl
 from kernels.backend import load_triton, next_power_of_2, triton_jit, use_pdl, use_triton
 from kernels.moe_grouping import (
     PAIR_CHUNK,
     MoeGroups,
     block_chunk,
-    count_experts,
     group_buffers,
-    load_experts,
     moe_group_ref,
     moe_group_triton,
-    place_pairs,
-    write_runs,
 )
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
@@ -205,9 +201,10 @@ def _route_group_kernel(
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK_PAIRS):
         in_range = start + pair_lanes < num_pairs
-        ids = load_experts(experts_ptr, start + pair_lanes, in_range, NUM_EXPERTS)
-        counts += count_experts(ids, in_range, BLOCK_E)
-    write_runs(
+        ids = moe_grouping.load_experts(experts_ptr, start + pair_lanes, in_range, NUM_EXPERTS)
+        counts += moe_grouping.count_experts(ids, in_range, BLOCK_E)
+    # Helpers by module attribute: Triton resolves those to the compiled functions.
+    moe_grouping.write_runs(
         counts,
         cursor_ptr,
         block_expert_ptr,
@@ -225,7 +222,7 @@ def _route_group_kernel(
 
     for start in range(0, num_pairs, CHUNK_PAIRS):
         pairs = start + pair_lanes
-        place_pairs(
+        moe_grouping.place_pairs(
             experts_ptr, cursor_ptr, sorted_pairs_ptr, pairs, pairs < num_pairs, NUM_EXPERTS
         )
 
