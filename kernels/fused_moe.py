@@ -154,18 +154,33 @@ def _grouped_gemm_kernel(
         tl.store(out_at, acc, mask=out_mask)
 
 
-def _tiles(num_tokens: int) -> tuple[int, int, int, int]:
+# Shared memory of an sm_90 SM a program may take (H100 and H200).
+SHARED_MEMORY_BYTES = 232448
+
+
+def _tiles(num_tokens: int, element_size: int = 2) -> tuple[int, int, int, int]:
     """(block_m, block_n, block_k, warps): at decode sizes the smallest row block a dot
     takes and long K tiles, wider row blocks as they fill. Qwen3-30B-A3B's whole sparse MLP
     at 1 / 8 / 32 tokens on an H100, as graph replays: 40.3 / 151.8 / 360.8 us with (16, 64,
     256, 4) against 44.2 / 165.2 / 389.5 with (16, 64, 64, 4), the experts' bytes taking
-    25.1 / 138.2 / 348.6 at the copy bandwidth (tools/MEASUREMENTS.md). Three stages of a
-    gated (16, 64, 256) tile take 216 KB of shared memory; wider tiles do not fit."""
+    25.1 / 138.2 / 348.6 at the copy bandwidth (tools/MEASUREMENTS.md). Float32 weights take
+    K tiles half as long: the gated GEMM's two buffered stages of (16 + 2 * 64) rows x 256
+    would need 288 KB of shared memory (``tile_shared_bytes``)."""
     if num_tokens <= 32:
-        return 16, 64, 256, 4
-    if num_tokens <= 256:
-        return 32, 64, 128, 4
-    return 64, 128, 64, 8
+        tiles = 16, 64, 256, 4
+    elif num_tokens <= 256:
+        tiles = 32, 64, 128, 4
+    else:
+        tiles = 64, 128, 64, 8
+    block_m, block_n, block_k, warps = tiles
+    return block_m, block_n, block_k * 2 // max(element_size, 2), warps
+
+
+def tile_shared_bytes(tiles: tuple[int, int, int, int], element_size: int) -> int:
+    """Shared memory of the gated GEMM's pipelined loads: Triton buffers ``num_stages - 1``
+    (two) stages of an activation tile and two weight tiles."""
+    block_m, block_n, block_k, _ = tiles
+    return 2 * (block_m + 2 * block_n) * block_k * element_size
 
 
 def _grouped_gemm(
@@ -253,7 +268,7 @@ def fused_moe_triton(
         return torch.empty_like(x)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    tiles = _tiles(x.shape[0])
+    tiles = _tiles(x.shape[0], x.element_size())
     load_triton()
     groups = moe_group(topk_experts, w13.shape[0], tiles[0])
     return _per_pair_triton(x, w13, w2, topk_weights, groups, tiles).sum(dim=1).to(x.dtype)
@@ -399,7 +414,7 @@ def _routed_per_pair(
         return torch.zeros((0, top_k, x.shape[1]), dtype=torch.float32, device=x.device)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    tiles = _tiles(x.shape[0])
+    tiles = _tiles(x.shape[0], x.element_size())
     load_triton()
     weights, _, groups = moe_route_and_group_triton(router_logits, top_k, renormalize, tiles[0])
     return _per_pair_triton(x, w13, w2, weights, groups, tiles)

@@ -22,6 +22,8 @@ from triton_test_util import (
 )
 
 from kernels.fused_moe import (
+    SHARED_MEMORY_BYTES,
+    _tiles,
     fused_moe,
     fused_moe_ref,
     fused_moe_triton,
@@ -29,6 +31,7 @@ from kernels.fused_moe import (
     moe_mlp_add_rms_norm,
     moe_sum_add_rms_norm_ref,
     moe_sum_add_rms_norm_triton,
+    tile_shared_bytes,
 )
 from kernels.moe_grouping import max_padded_rows, moe_group_ref, moe_group_triton
 from kernels.moe_routing import (
@@ -291,6 +294,17 @@ def _truncating_reference(x, w13, w2, weights, experts):
             act = _truncated(F.silu(proj[:, :half]) * proj[:, half:])
             out[t] += float(weights[t, j]) * (act @ w2[e].float().T)[0]
     return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 32, 33, 256, 257, 8192])
+def test_tiles_fit_shared_memory(tokens, dtype):
+    """A tile past the SM's shared memory fails only at its first launch on a GPU."""
+    size = torch.empty((), dtype=dtype).element_size()
+    tiles = _tiles(tokens, size)
+    assert tile_shared_bytes(tiles, size) <= SHARED_MEMORY_BYTES, (tiles, dtype)
+    # The rule's own measure: Triton asked for 294,912 bytes for (16, 64, 256) in float32.
+    assert tile_shared_bytes((16, 64, 256, 4), 4) == 294912
 
 
 def test_dispatch_runs_the_reference_on_cpu():
