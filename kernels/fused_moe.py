@@ -23,13 +23,13 @@ from kernels.backend import (
     cdiv,
     dot_needs_fp32,
     load_triton,
-    next_power_of_2,
     triton_jit,
     use_pdl,
     use_triton,
 )
 from kernels.moe_grouping import MoeGroups, moe_group
 from kernels.moe_routing import moe_route_and_group_triton, moe_route_ref
+from kernels.moe_sum import moe_sum_add_rms_norm_triton
 from kernels.rmsnorm import fused_add_rms_norm_ref
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
@@ -284,81 +284,6 @@ def fused_moe(
     if use_triton(x):
         return fused_moe_triton(x, w13, w2, topk_weights, topk_experts)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_experts)
-
-
-# --- the sum over a token's experts, with the residual add and RMSNorm that follow ---------
-
-
-def moe_sum_add_rms_norm_ref(
-    per_pair: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``per_pair [T, top_k, H]`` float32 summed over the experts and rounded to the
-    residual's dtype, then ``fused_add_rms_norm``: ``(rms_norm(sum + residual), sum +
-    residual)``."""
-    return fused_add_rms_norm_ref(per_pair.sum(dim=1).to(residual.dtype), residual, weight, eps)
-
-
-@triton_jit(do_not_specialize=("num_tokens",))
-def _sum_add_norm_kernel(
-    per_pair_ptr,
-    residual_ptr,
-    weight_ptr,
-    normed_ptr,
-    new_residual_ptr,
-    num_tokens,
-    hidden,
-    eps,
-    TOP_K: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    LAUNCH_SUCCESSOR: tl.constexpr,
-):
-    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
-    mask = cols < hidden
-    total = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        total += tl.load(per_pair_ptr + (token * TOP_K + j) * hidden + cols, mask=mask, other=0.0)
-    dtype = residual_ptr.dtype.element_ty
-    residual = tl.load(residual_ptr + token * hidden + cols, mask=mask, other=0.0)
-    new_residual = (total.to(dtype).to(tl.float32) + residual.to(tl.float32)).to(dtype)
-    tl.store(new_residual_ptr + token * hidden + cols, new_residual, mask=mask)
-    x = new_residual.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(normed_ptr + token * hidden + cols, (x * inv_rms * weight).to(dtype), mask=mask)
-
-
-def moe_sum_add_rms_norm_triton(
-    per_pair: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    num_tokens, top_k, hidden = per_pair.shape
-    residual = residual.contiguous()
-    normed = torch.empty_like(residual)
-    new_residual = torch.empty_like(residual)
-    if num_tokens == 0:
-        return normed, new_residual
-    load_triton()
-    with_pdl = use_pdl(per_pair)
-    block_h = next_power_of_2(hidden)
-    _sum_add_norm_kernel[(num_tokens,)](
-        per_pair,
-        residual,
-        weight,
-        normed,
-        new_residual,
-        num_tokens,
-        hidden,
-        eps,
-        TOP_K=top_k,
-        BLOCK_H=block_h,
-        USE_PDL=with_pdl,
-        LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "moe_sum_add_norm"),
-        num_warps=max(1, min(8, block_h // 256)),
-        **pdl.launch_options(with_pdl),
-    )
-    return normed, new_residual
 
 
 # --- the whole sparse MLP --------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Mixture-of-experts kernels (kernels/moe_routing.py, moe_grouping.py, fused_moe.py) against their
-references, and the references against the plain definition: each token's top-k experts by
-softmax probability, and the weighted sum of their gated MLPs. Fresh random inputs each run
+"""Mixture-of-experts kernels (kernels/moe_routing.py, moe_grouping.py, fused_moe.py,
+moe_sum.py) against their references, and the references against the plain definition: each
+token's top-k experts by softmax probability, and the weighted sum of their gated MLPs. Fresh random inputs each run
 (seed in messages).
 """
 
@@ -29,8 +29,6 @@ from kernels.fused_moe import (
     fused_moe_triton,
     moe_mlp,
     moe_mlp_add_rms_norm,
-    moe_sum_add_rms_norm_ref,
-    moe_sum_add_rms_norm_triton,
     tile_shared_bytes,
 )
 from kernels.moe_grouping import max_padded_rows, moe_group_ref, moe_group_triton
@@ -42,6 +40,7 @@ from kernels.moe_routing import (
     moe_route_ref,
     moe_route_triton,
 )
+from kernels.moe_sum import moe_sum_add_rms_norm_ref, moe_sum_add_rms_norm_triton
 from kernels.rmsnorm import fused_add_rms_norm_ref
 
 # (tokens, experts, top_k): one decode row, a few rows, rows sharing few experts, more
