@@ -163,17 +163,19 @@ def _tiles(num_tokens: int, element_size: int = 2) -> tuple[int, int, int, int]:
     takes and long K tiles, wider row blocks as they fill. Qwen3-30B-A3B's whole sparse MLP
     at 1 / 8 / 32 tokens on an H100, as graph replays: 40.3 / 151.8 / 360.8 us with (16, 64,
     256, 4) against 44.2 / 165.2 / 389.5 with (16, 64, 64, 4), the experts' bytes taking
-    25.1 / 138.2 / 348.6 at the copy bandwidth (tools/MEASUREMENTS.md). Float32 weights take
-    K tiles half as long: the gated GEMM's two buffered stages of (16 + 2 * 64) rows x 256
-    would need 288 KB of shared memory (``tile_shared_bytes``)."""
+    25.1 / 138.2 / 348.6 at the copy bandwidth (tools/MEASUREMENTS.md). A K tile too long for
+    shared memory (the decode tile in float32: 288 KB) is halved until it fits."""
     if num_tokens <= 32:
-        tiles = 16, 64, 256, 4
+        block_m, block_n, block_k, warps = 16, 64, 256, 4
     elif num_tokens <= 256:
-        tiles = 32, 64, 128, 4
+        block_m, block_n, block_k, warps = 32, 64, 128, 4
     else:
-        tiles = 64, 128, 64, 8
-    block_m, block_n, block_k, warps = tiles
-    return block_m, block_n, block_k * 2 // max(element_size, 2), warps
+        block_m, block_n, block_k, warps = 64, 128, 64, 8
+    while tile_shared_bytes((block_m, block_n, block_k, warps), element_size) > (
+        SHARED_MEMORY_BYTES
+    ):
+        block_k //= 2
+    return block_m, block_n, block_k, warps
 
 
 def tile_shared_bytes(tiles: tuple[int, int, int, int], element_size: int) -> int:
