@@ -7,8 +7,8 @@ inside its CUDA graph.
 
 Up to ``FUSED_ROUTING_MAX_TOKENS`` tokens (decode batches) one single-program kernel routes
 the tokens and groups their pairs by expert (kernels/moe_grouping.py), so that a step of a
-sparse layer launches one kernel for both; above, the routing kernel (a program a token) and
-the grouping's own kernels run.
+sparse layer launches one kernel for both; above, the routing kernel (a program to 16
+tokens) and the grouping's own kernels run. Both route through ``route_tokens``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels import moe_grouping, pdl
-from kernels.backend import load_triton, next_power_of_2, triton_jit, use_pdl, use_triton
+from kernels.backend import cdiv, load_triton, next_power_of_2, triton_jit, use_pdl, use_triton
 from kernels.moe_grouping import (
     PAIR_CHUNK,
     MoeGroups,
@@ -47,49 +47,97 @@ def moe_route_ref(
     return weights, experts.to(torch.int32)
 
 
+@triton_jit
+def route_tokens(
+    logits_ptr,
+    weights_ptr,
+    experts_ptr,
+    t0,
+    num_tokens,
+    stride_logits,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    TOKEN_CHUNK: tl.constexpr,
+):
+    """Route tokens ``t0 .. t0 + TOKEN_CHUNK``: the experts fit one tile a token, and top-k
+    is k rounds of arg-max."""
+    expert_ids = tl.arange(0, BLOCK_E)
+    slots = tl.arange(0, BLOCK_K)
+    tokens = t0 + tl.arange(0, TOKEN_CHUNK)
+    token_ok = tokens < num_tokens
+    logits = tl.load(
+        logits_ptr + tokens.to(tl.int64)[:, None] * stride_logits + expert_ids[None, :],
+        mask=token_ok[:, None] & (expert_ids[None, :] < NUM_EXPERTS),
+        other=float("-inf"),
+    ).to(tl.float32)
+    # Rows past the last token route something harmless, never stored.
+    logits = tl.where(token_ok[:, None], logits, 0.0)
+    exps = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = exps / tl.sum(exps, axis=1)[:, None]
+    # A row of NaN (a padding row of a graph, say) would match no expert: it gets the first
+    # ones at weight 0 instead, so every expert id stays in range.
+    probs = tl.where(probs == probs, probs, 0.0)
+    remaining = tl.where(expert_ids[None, :] < NUM_EXPERTS, probs, -1.0)
+    chosen_weights = tl.zeros([TOKEN_CHUNK, BLOCK_K], dtype=tl.float32)
+    chosen_experts = tl.zeros([TOKEN_CHUNK, BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=1)
+        # The lowest index among equal probabilities, as a stable top-k picks.
+        is_best = remaining == best[:, None]
+        index = tl.min(tl.where(is_best, expert_ids[None, :], BLOCK_E), axis=1)
+        chosen_weights = tl.where(slots[None, :] == j, best[:, None], chosen_weights)
+        chosen_experts = tl.where(slots[None, :] == j, index[:, None], chosen_experts)
+        remaining = tl.where(expert_ids[None, :] == index[:, None], -2.0, remaining)
+    if RENORMALIZE:
+        total = tl.maximum(tl.sum(chosen_weights, axis=1), 1e-30)  # 0 for NaN rows
+        chosen_weights = chosen_weights / total[:, None]
+    at = tokens[:, None] * TOP_K + slots[None, :]
+    keep = token_ok[:, None] & (slots[None, :] < TOP_K)
+    tl.store(weights_ptr + at, chosen_weights, mask=keep)
+    tl.store(experts_ptr + at, chosen_experts, mask=keep)
+
+
 @triton_jit(do_not_specialize=("num_tokens",))
 def _route_kernel(
     logits_ptr,
     weights_ptr,
     experts_ptr,
     num_tokens,
-    num_experts,
     stride_logits,
+    NUM_EXPERTS: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    TOKEN_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
 ):
-    # One program a token: the experts fit one tile, and top-k is k rounds of arg-max.
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
-    token = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_E)
-    logits = tl.load(
-        logits_ptr + token * stride_logits + offs, mask=offs < num_experts, other=float("-inf")
-    ).to(tl.float32)
-    exps = tl.exp(logits - tl.max(logits, axis=0))
-    probs = exps / tl.sum(exps, axis=0)
-    # A row of NaN (a padding row of a graph, say) would match no expert: it gets the first
-    # ones at weight 0 instead, so every expert id stays in range.
-    probs = tl.where(probs == probs, probs, 0.0)
-    remaining = tl.where(offs < num_experts, probs, -1.0)
-    slots = tl.arange(0, BLOCK_K)
-    chosen_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
-    chosen_experts = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        # The lowest index among equal probabilities, as a stable top-k picks.
-        index = tl.min(tl.where(remaining == best, offs, BLOCK_E), axis=0)
-        chosen_weights = tl.where(slots == j, best, chosen_weights)
-        chosen_experts = tl.where(slots == j, index, chosen_experts)
-        remaining = tl.where(offs == index, -2.0, remaining)
-    if RENORMALIZE:
-        chosen_weights = chosen_weights / tl.maximum(tl.sum(chosen_weights, axis=0), 1e-30)
-    keep = slots < TOP_K
-    tl.store(weights_ptr + token * TOP_K + slots, chosen_weights, mask=keep)
-    tl.store(experts_ptr + token * TOP_K + slots, chosen_experts, mask=keep)
+    route_tokens(
+        logits_ptr,
+        weights_ptr,
+        experts_ptr,
+        tl.program_id(0) * TOKEN_CHUNK,
+        num_tokens,
+        stride_logits,
+        NUM_EXPERTS,
+        TOP_K,
+        BLOCK_E,
+        BLOCK_K,
+        RENORMALIZE,
+        TOKEN_CHUNK,
+    )
+
+
+def token_chunk(num_tokens: int, block_e: int) -> int:
+    """Tokens a routing pass takes: one for a batch-1 decode step (not a [16, E] tile of 15
+    empty rows); every other count shares one size, so that none compiles a variant of its
+    own."""
+    return 1 if num_tokens == 1 else max(1, min(16, 2048 // block_e))
 
 
 def moe_route_triton(
@@ -102,20 +150,23 @@ def moe_route_triton(
         return weights, experts
     load_triton()
     with_pdl = use_pdl(router_logits)
-    _route_kernel[(num_tokens,)](
+    block_e = next_power_of_2(num_experts)
+    chunk = token_chunk(num_tokens, block_e)
+    _route_kernel[(cdiv(num_tokens, chunk),)](
         router_logits,
         weights,
         experts,
         num_tokens,
-        num_experts,
         router_logits.stride(0),
+        NUM_EXPERTS=num_experts,
         TOP_K=top_k,
-        BLOCK_E=next_power_of_2(num_experts),
+        BLOCK_E=block_e,
         BLOCK_K=next_power_of_2(top_k),
         RENORMALIZE=renormalize,
+        TOKEN_CHUNK=chunk,
         USE_PDL=with_pdl,
         LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "moe_route"),
-        num_warps=4 if num_experts > 256 else 1,
+        num_warps=4,
         **pdl.launch_options(with_pdl),
     )
     return weights, experts
@@ -162,38 +213,21 @@ def _route_group_kernel(
     # grouping kernels' work, each phase after a barrier: a later one reads what threads of
     # the one before wrote.
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
-    expert_ids = tl.arange(0, BLOCK_E)
-    slots = tl.arange(0, BLOCK_K)
     for t0 in range(0, num_tokens, TOKEN_CHUNK):
-        tokens = t0 + tl.arange(0, TOKEN_CHUNK)
-        token_ok = tokens < num_tokens
-        logits = tl.load(
-            logits_ptr + tokens.to(tl.int64)[:, None] * stride_logits + expert_ids[None, :],
-            mask=token_ok[:, None] & (expert_ids[None, :] < NUM_EXPERTS),
-            other=float("-inf"),
-        ).to(tl.float32)
-        # Rows past the last token route something harmless, never stored.
-        logits = tl.where(token_ok[:, None], logits, 0.0)
-        exps = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        probs = exps / tl.sum(exps, axis=1)[:, None]
-        probs = tl.where(probs == probs, probs, 0.0)  # as in _route_kernel
-        remaining = tl.where(expert_ids[None, :] < NUM_EXPERTS, probs, -1.0)
-        chosen_weights = tl.zeros([TOKEN_CHUNK, BLOCK_K], dtype=tl.float32)
-        chosen_experts = tl.zeros([TOKEN_CHUNK, BLOCK_K], dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            best = tl.max(remaining, axis=1)
-            is_best = remaining == best[:, None]
-            index = tl.min(tl.where(is_best, expert_ids[None, :], BLOCK_E), axis=1)
-            chosen_weights = tl.where(slots[None, :] == j, best[:, None], chosen_weights)
-            chosen_experts = tl.where(slots[None, :] == j, index[:, None], chosen_experts)
-            remaining = tl.where(expert_ids[None, :] == index[:, None], -2.0, remaining)
-        if RENORMALIZE:
-            total = tl.maximum(tl.sum(chosen_weights, axis=1), 1e-30)  # 0 for NaN rows
-            chosen_weights = chosen_weights / total[:, None]
-        at = tokens[:, None] * TOP_K + slots[None, :]
-        keep = token_ok[:, None] & (slots[None, :] < TOP_K)
-        tl.store(weights_ptr + at, chosen_weights, mask=keep)
-        tl.store(experts_ptr + at, chosen_experts, mask=keep)
+        route_tokens(
+            logits_ptr,
+            weights_ptr,
+            experts_ptr,
+            t0,
+            num_tokens,
+            stride_logits,
+            NUM_EXPERTS,
+            TOP_K,
+            BLOCK_E,
+            BLOCK_K,
+            RENORMALIZE,
+            TOKEN_CHUNK,
+        )
     tl.debug_barrier()
 
     num_pairs = num_tokens * TOP_K
@@ -266,9 +300,7 @@ def moe_route_and_group_triton(
         TOP_K=top_k,
         BLOCK_K=next_power_of_2(top_k),
         RENORMALIZE=renormalize,
-        # A batch-1 decode step routes one token, not a [16, E] tile of 15 empty rows; every
-        # other count shares one variant, so that no token count compiles one of its own.
-        TOKEN_CHUNK=1 if num_tokens == 1 else max(1, min(16, 2048 // block_e)),
+        TOKEN_CHUNK=token_chunk(num_tokens, block_e),
         BLOCK_M=block_m,
         NUM_EXPERTS=num_experts,
         BLOCK_E=block_e,
