@@ -51,8 +51,9 @@ def test_every_kernel_resolves_its_dependencies():
     assert int(result.stdout.split()[0]) > 50  # every kernel module was seen
 
 
-# The grouped GEMM of every tile rule compiled for sm_90: its shared memory, as a launch on an
-# H100 or H200 would check it. The float32 decode tile once needed 294,912 bytes there.
+# The mixture-of-experts kernels compiled for sm_90, and the grouped GEMM of every tile rule
+# held to the shared memory a launch on an H100 or H200 checks (the float32 decode tile once
+# needed 294,912 bytes there).
 COMPILE = """
 import json, sys, warnings
 warnings.filterwarnings("ignore")
@@ -79,6 +80,37 @@ def shared(dtype, tiles, gated):
                             options={"num_warps": warps, "num_stages": 3})
     return kernel.metadata.shared
 
+def compiles(fn, sig, consts):
+    sig = dict(sig, **dict.fromkeys(consts, "constexpr"))
+    triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32))
+
+import kernels.moe_grouping as grouping
+import kernels.moe_routing as routing
+import kernels.moe_sum as moe_sum
+pdl = dict(USE_PDL=True, LAUNCH_SUCCESSOR=True)
+route = dict(NUM_EXPERTS=128, TOP_K=8, BLOCK_E=128, BLOCK_K=8, RENORMALIZE=True, **pdl)
+i32 = "i32"
+for chunk in (1, 16):
+    compiles(routing._route_kernel, {"logits_ptr": "*bf16", "weights_ptr": "*fp32",
+             "experts_ptr": "*i32", "num_tokens": i32, "stride_logits": i32},
+             dict(route, TOKEN_CHUNK=chunk))
+    compiles(routing._route_group_kernel, {"logits_ptr": "*bf16", "weights_ptr": "*fp32",
+             "experts_ptr": "*i32", "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32",
+             "num_padded_ptr": "*i32", "cursor_ptr": "*i32", "num_tokens": i32,
+             "max_padded": i32, "stride_logits": i32},
+             dict(route, TOKEN_CHUNK=chunk, BLOCK_M=16, CHUNK=64, CHUNK_PAIRS=512))
+compiles(grouping._count_kernel, {"experts_ptr": "*i32", "counts_ptr": "*i32",
+         "sorted_pairs_ptr": "*i32", "num_pairs": i32, "max_padded": i32},
+         dict(NUM_EXPERTS=128, BLOCK_E=128, CHUNK_PAIRS=512, **pdl))
+compiles(grouping._runs_kernel, {"counts_ptr": "*i32", "cursor_ptr": "*i32",
+         "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "max_padded": i32},
+         dict(NUM_EXPERTS=128, BLOCK_E=128, BLOCK_M=64, CHUNK=64, **pdl))
+compiles(grouping._place_kernel, {"experts_ptr": "*i32", "cursor_ptr": "*i32",
+         "sorted_pairs_ptr": "*i32", "num_pairs": i32}, dict(NUM_EXPERTS=128, CHUNK_PAIRS=512, **pdl))
+compiles(moe_sum._sum_add_norm_kernel, {"per_pair_ptr": "*fp32", "residual_ptr": "*bf16",
+         "weight_ptr": "*bf16", "normed_ptr": "*bf16", "new_residual_ptr": "*bf16",
+         "num_tokens": i32, "hidden": i32, "eps": "fp32"}, dict(TOP_K=8, BLOCK_H=2048, **pdl))
+
 rows = []
 for dtype, size in (("bf16", 2), ("fp32", 4)):
     for tokens in (1, 64, 1000):
@@ -89,7 +121,7 @@ print(json.dumps({"limit": moe.SHARED_MEMORY_BYTES, "rows": rows}))
 
 
 @requires_triton
-def test_moe_tiles_compile_within_shared_memory():
+def test_moe_kernels_compile_for_sm90_within_shared_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
