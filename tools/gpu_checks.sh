@@ -16,6 +16,8 @@
 #                                     # start-up and memory, host time per step (this host's CPU)
 #   bash tools/gpu_checks.sh shapes   # Qwen3-0.6B, 8B and 14B shapes (SHAPES="0.6b 8b" picks):
 #                                     # batch-1 latency and a served sweep of 1-32 rows each
+#   bash tools/gpu_checks.sh moe      # Qwen3-30B-A3B's shape (16 layers): MoE tests, kernels,
+#                                     # batch-1 latency, in-process steps with a profile
 #   bash tools/gpu_checks.sh ab VAR   # batch-1 latency with VAR=0 against the default,
 #                                     # alternated (e.g. PEGAINFER_FUSED_GEMV, PEGAINFER_PDL)
 #
@@ -64,6 +66,7 @@ tests)
     tests/test_kernels_argmax.py tests/test_kernels_sampling_race.py
     tests/test_kernels_sampling_candidates.py tests/test_kernels_sampling_nucleus.py
     tests/test_kernels_top_candidates.py tests/test_kernels_embedding.py
+    tests/test_kernels_fused_moe.py
     tests/test_kernels_decode_inputs.py tests/test_cuda_graphs.py tests/test_compile_ahead.py
     tests/test_overlap.py tests/test_sampler.py tests/test_worker_logprobs.py
     tests/test_step_profile.py tests/test_prefill_profile.py tests/test_pdl.py
@@ -149,6 +152,22 @@ shapes)
       --out "$out/shapes" --name "served_$preset" --batches 1,2,8,32 --output-len 64
     rm -rf "$dir"
   done
+  ;;
+moe)
+  # Qwen3-30B-A3B's shape cut to MOE_LAYERS layers (16: 20 GB, so that it fits the disk; every
+  # layer costs the same): its GPU tests, its kernels timed as graph replays, batch-1 latency
+  # and the in-process step against its roofline, with the batch-1 step's profile.
+  dir="${TMPDIR:-/tmp}/qwen3-30b-a3b-random"
+  step moe_tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels_fused_moe.py \
+    tests/test_cuda_graphs.py tests/test_model_golden.py -k "moe or fused or graph_equals"
+  step make_checkpoint_moe python3 -m tools.make_tiny_checkpoint --arch qwen3_moe \
+    --preset 30b-a3b --num-layers "${MOE_LAYERS:-16}" --out "$dir"
+  step moe_kernels python3 -m tools.bench_kernels --match moe --out "$out/moe"
+  step moe_latency python3 -m tools.bench_latency --model-path "$dir" --out "$out/moe" \
+    --contexts 128,4096 --steps 128
+  step moe_steps python3 -m tools.bench_throughput --model-path "$dir" --engine inprocess \
+    --out "$out/moe" --batches 1,8,32,64,128 --output-len 64 --profile-batches 1
+  rm -rf "$dir"
   ;;
 ab)
   var="${2:?ab needs the environment variable to turn off, e.g. PEGAINFER_FUSED_GEMV}"
