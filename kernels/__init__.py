@@ -5,7 +5,6 @@ from kernels.argmax import argmax_rows
 from kernels.attention import paged_attention, store_kv
 from kernels.backend import use_triton
 from kernels.embedding import embedding
-from kernels.fused_moe import moe_mlp, moe_mlp_add_rms_norm
 from kernels.linear import linear
 from kernels.linear_fused import linear_silu_and_mul
 from kernels.linear_norm import linear_add_rms_norm
@@ -13,6 +12,7 @@ from kernels.pending_norm import PendingNorm, as_tensor
 from kernels.prefill_work import prefill_queries_per_tile, prefill_work_table
 from kernels.rmsnorm import embed_rms_norm, fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_and_store_kv, rotary_embedding
+from kernels.sparse_mlp import moe_mlp, moe_mlp_add_rms_norm
 from kernels.token_bitmask import apply_token_bitmask
 
 __all__ = [

@@ -11,6 +11,10 @@ and writes it in float32, and the ``top_k`` rows of a token are summed after.
 Roundings, the same in the reference: the gate and up projections are rounded to the dtype
 before the activation, the activation is rounded to the dtype, and the down projections are
 weighted and summed in float32, rounded once at the end.
+
+The first GEMM may take a ``PendingNorm``'s weighted stream (kernels/pending_norm.py) and
+scale each row's gate and up projections by the row's ``1 / rms`` before the activation:
+the norm is a row scale, so it commutes with the product.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import pdl
+from kernels import pdl, pending_norm
 from kernels.backend import (
     cdiv,
     dot_needs_fp32,
@@ -28,9 +32,7 @@ from kernels.backend import (
     use_triton,
 )
 from kernels.moe_grouping import MoeGroups, moe_group
-from kernels.moe_routing import moe_route_and_group_triton, moe_route_ref
-from kernels.moe_sum import moe_sum_add_rms_norm_triton
-from kernels.rmsnorm import fused_add_rms_norm_ref
+from kernels.pending_norm import PendingNorm
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
@@ -77,6 +79,7 @@ def _grouped_gemm_kernel(
     block_expert_ptr,
     num_padded_ptr,
     pair_weights_ptr,
+    square_sums_ptr,
     num_pairs,
     N,
     K,
@@ -84,7 +87,11 @@ def _grouped_gemm_kernel(
     stride_we,
     stride_wn,
     stride_out,
+    num_norm_groups,
+    stride_sums,
+    eps,
     A_ROW_DIVISOR: tl.constexpr,
+    NORM_GROUPS: tl.constexpr,
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -97,6 +104,8 @@ def _grouped_gemm_kernel(
 ):
     # ``GATED``: out = silu(a @ w[:N]^T) * (a @ w[N:2N]^T), a's rows are tokens (pair //
     # top_k). Otherwise out = (a @ w^T) * pair weight, a's rows are pairs; out is float32.
+    # ``NORM_GROUPS`` > 0: ``a`` is a pending norm's weighted stream, its rows scaled by
+    # 1 / rms from ``square_sums`` before the activation.
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
@@ -113,6 +122,10 @@ def _grouped_gemm_kernel(
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     w_expert = w_ptr + expert * stride_we
+    if NORM_GROUPS > 0:
+        square_sums = pending_norm.load_square_sums(
+            square_sums_ptr, a_rows, valid, num_norm_groups, stride_sums, NORM_GROUPS
+        )
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -144,6 +157,10 @@ def _grouped_gemm_kernel(
     out_mask = valid[:, None] & col_ok[None, :]
     out_at = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
     if GATED:
+        if NORM_GROUPS > 0:
+            inverse_rms = pending_norm.inverse_rms(square_sums, K, eps)[:, None]
+            acc = acc * inverse_rms
+            acc_up = acc_up * inverse_rms
         dtype = out_ptr.dtype.element_ty
         gate = acc.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
@@ -158,7 +175,7 @@ def _grouped_gemm_kernel(
 SHARED_MEMORY_BYTES = 232448
 
 
-def _tiles(num_tokens: int, element_size: int = 2) -> tuple[int, int, int, int]:
+def moe_tiles(num_tokens: int, element_size: int = 2) -> tuple[int, int, int, int]:
     """(block_m, block_n, block_k, warps): at decode sizes the smallest row block a dot
     takes and long K tiles, wider row blocks as they fill. Qwen3-30B-A3B's whole sparse MLP
     at 1 / 8 / 32 tokens on an H100, as graph replays: 40.3 / 151.8 / 360.8 us with (16, 64,
@@ -197,6 +214,7 @@ def _grouped_gemm(
     block_n: int,
     block_k: int,
     warps: int,
+    normed: PendingNorm | None = None,
 ) -> None:
     num_blocks = groups.block_expert.shape[0]
     grid = (num_blocks * cdiv(n, block_n),)
@@ -209,6 +227,7 @@ def _grouped_gemm(
         groups.block_expert,
         groups.num_padded,
         pair_weights if pair_weights is not None else out,
+        normed.square_sums if normed is not None else out,
         num_pairs,
         n,
         a.shape[1],
@@ -216,7 +235,11 @@ def _grouped_gemm(
         w.stride(0),
         w.stride(1),
         out.stride(0),
+        normed.num_groups if normed is not None else 0,
+        normed.square_sums.stride(0) if normed is not None else 0,
+        normed.eps if normed is not None else 0.0,
         A_ROW_DIVISOR=a_row_divisor,
+        NORM_GROUPS=normed.groups_block if normed is not None else 0,
         GATED=pair_weights is None,
         WEIGHTED=pair_weights is not None,
         BLOCK_M=groups.block_m,
@@ -233,15 +256,17 @@ def _grouped_gemm(
     )
 
 
-def _per_pair_triton(
+def experts_per_pair(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     groups: MoeGroups,
     tiles: tuple[int, int, int, int],
+    normed: PendingNorm | None = None,
 ) -> torch.Tensor:
-    """Each pair's weighted expert output, ``[T, top_k, H]`` float32."""
+    """Each pair's weighted expert output, ``[T, top_k, H]`` float32; ``x`` is ``normed``'s
+    weighted stream where given."""
     num_tokens, hidden = x.shape
     top_k = topk_weights.shape[1]
     num_pairs = num_tokens * top_k
@@ -249,7 +274,18 @@ def _per_pair_triton(
     intermediate = w13.shape[1] // 2
     activation = torch.empty((num_pairs, intermediate), dtype=x.dtype, device=x.device)
     _grouped_gemm(
-        x, w13, activation, groups, num_pairs, intermediate, top_k, None, block_n, block_k, warps
+        x,
+        w13,
+        activation,
+        groups,
+        num_pairs,
+        intermediate,
+        top_k,
+        None,
+        block_n,
+        block_k,
+        warps,
+        normed,
     )
     per_pair = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
@@ -270,10 +306,10 @@ def fused_moe_triton(
         return torch.empty_like(x)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    tiles = _tiles(x.shape[0], x.element_size())
+    tiles = moe_tiles(x.shape[0], x.element_size())
     load_triton()
     groups = moe_group(topk_experts, w13.shape[0], tiles[0])
-    return _per_pair_triton(x, w13, w2, topk_weights, groups, tiles).sum(dim=1).to(x.dtype)
+    return experts_per_pair(x, w13, w2, topk_weights, groups, tiles).sum(dim=1).to(x.dtype)
 
 
 def fused_moe(
@@ -286,62 +322,3 @@ def fused_moe(
     if use_triton(x):
         return fused_moe_triton(x, w13, w2, topk_weights, topk_experts)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_experts)
-
-
-# --- the whole sparse MLP --------------------------------------------------------------
-
-
-def moe_mlp(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-) -> torch.Tensor:
-    """Route ``x [T, H]`` by ``router_logits [T, E]`` and run it through its experts."""
-    if not use_triton(x):
-        weights, experts = moe_route_ref(router_logits, top_k, renormalize)
-        return fused_moe_ref(x, w13, w2, weights, experts)
-    per_pair = _routed_per_pair(x, router_logits, w13, w2, top_k, renormalize)
-    return per_pair.sum(dim=1).to(x.dtype)
-
-
-def moe_mlp_add_rms_norm(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moe_mlp`` then ``fused_add_rms_norm``; on a GPU the experts' sum ends in the add
-    and the norm, one kernel."""
-    if not use_triton(x):
-        out = moe_mlp(x, router_logits, w13, w2, top_k, renormalize)
-        return fused_add_rms_norm_ref(out, residual, norm_weight, eps)
-    per_pair = _routed_per_pair(x, router_logits, w13, w2, top_k, renormalize)
-    return moe_sum_add_rms_norm_triton(per_pair, residual, norm_weight, eps)
-
-
-def _routed_per_pair(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-) -> torch.Tensor:
-    if top_k > router_logits.shape[-1]:
-        raise ValueError(f"top_k {top_k} exceeds the {router_logits.shape[-1]} experts")
-    if x.shape[0] == 0:
-        return torch.zeros((0, top_k, x.shape[1]), dtype=torch.float32, device=x.device)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    tiles = _tiles(x.shape[0], x.element_size())
-    load_triton()
-    weights, _, groups = moe_route_and_group_triton(router_logits, top_k, renormalize, tiles[0])
-    return _per_pair_triton(x, w13, w2, weights, groups, tiles)

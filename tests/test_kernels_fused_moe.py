@@ -23,12 +23,10 @@ from triton_test_util import (
 
 from kernels.fused_moe import (
     SHARED_MEMORY_BYTES,
-    _tiles,
     fused_moe,
     fused_moe_ref,
     fused_moe_triton,
-    moe_mlp,
-    moe_mlp_add_rms_norm,
+    moe_tiles,
     tile_shared_bytes,
 )
 from kernels.moe_grouping import max_padded_rows, moe_group_ref, moe_group_triton
@@ -40,8 +38,14 @@ from kernels.moe_routing import (
     moe_route_ref,
     moe_route_triton,
 )
-from kernels.moe_sum import moe_sum_add_rms_norm_ref, moe_sum_add_rms_norm_triton
-from kernels.rmsnorm import fused_add_rms_norm_ref
+from kernels.moe_sum import (
+    moe_sum_add_pending_norm_triton,
+    moe_sum_add_rms_norm_ref,
+    moe_sum_add_rms_norm_triton,
+)
+from kernels.pending_norm import PendingNorm
+from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.sparse_mlp import moe_mlp, moe_mlp_add_rms_norm
 
 # (tokens, experts, top_k): one decode row, a few rows, rows sharing few experts, more
 # pairs than a grouping chunk, and on a GPU Qwen3-30B-A3B's router at batch 64 and a prefill.
@@ -196,12 +200,113 @@ def test_sum_add_rms_norm_kernel_matches_reference(tokens, top_k, hidden, dtype)
     check(normed, want_normed, f"normed {tokens}x{top_k}x{hidden}")
 
 
+# The pending norm is taken only by 16-bit kernels; the CPU interpreter truncates float32 to
+# bfloat16 where a GPU rounds, so there the tests use float16.
+PENDING_DTYPES = [torch.float16] + ([torch.bfloat16] if CUDA else [])
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", PENDING_DTYPES)
+@pytest.mark.parametrize(
+    "tokens,top_k,hidden", [(1, 2, 64), (3, 3, 600)] + ([(64, 8, 2048)] if CUDA else [])
+)
+def test_sum_add_pending_norm_matches_reference(tokens, top_k, hidden, dtype):
+    """The sum in slices of a row: the new residual, the weighted stream and each slice's
+    sum of squares, which together are the reference's norm."""
+    g = gen(tokens + top_k + hidden + 1)
+    per_pair = randn(tokens, top_k, hidden, g=g, dtype=torch.float32)
+    residual = randn(tokens, hidden, g=g, dtype=dtype)
+    weight = randn(hidden, g=g, dtype=dtype, scale=0.1) + 1.0
+    with poisoned():
+        pending = moe_sum_add_pending_norm_triton(per_pair, residual, weight, 1e-6)
+    want_normed, want_residual = moe_sum_add_rms_norm_ref(per_pair, residual, weight, 1e-6)
+    what = f"{tokens}x{top_k}x{hidden} {dtype}"
+    check(pending.hidden, want_residual, f"residual {what}")
+    stream = pending.hidden.float()
+    check(pending.weighted, (stream * weight.float()).to(dtype), f"weighted {what}")
+    squares = pending.square_sums.sum(dim=1)
+    torch.testing.assert_close(squares, (stream * stream).sum(dim=1), rtol=1e-5, atol=1e-5)
+    assert pending.num_groups == -(-hidden // 256)
+    check(pending.materialize(), want_normed, f"normed {what}")
+
+
+def _pending_input(tokens: int, hidden: int, dtype: torch.dtype, offset: int):
+    """A PendingNorm as the o projection leaves it, and the norm it stands for (float32)."""
+    g = gen(offset)
+    per_pair = randn(tokens, 1, hidden, g=g, dtype=torch.float32)
+    residual = randn(tokens, hidden, g=g, dtype=dtype)
+    weight = randn(hidden, g=g, dtype=dtype, scale=0.2) + 1.0
+    pending = moe_sum_add_pending_norm_triton(per_pair, residual, weight, 1e-6)
+    return pending, rms_norm_ref(pending.hidden.float(), weight.float(), 1e-6)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", PENDING_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5] + ([64] if CUDA else []))
+def test_sparse_mlp_takes_and_leaves_a_pending_norm(tokens, dtype, monkeypatch):
+    """A pending input norm is applied by the first grouped GEMM; at decode rows the output
+    norm is left pending, and it stands for the reference's."""
+    import kernels.sparse_mlp as sparse_mlp
+
+    hidden, inter, experts, top_k = (2048, 768, 128, 8) if CUDA else (80, 24, 6, 2)
+    g = gen(tokens + 31)
+    pending, normed = _pending_input(tokens, hidden, dtype, tokens + 32)
+    w13 = randn(experts, 2 * inter, hidden, g=g, dtype=dtype, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inter, g=g, dtype=dtype, scale=inter**-0.5)
+    logits = _distinct_logits(tokens, experts, tokens)
+    residual = randn(tokens, hidden, g=g, dtype=dtype)
+    weight = randn(hidden, g=g, dtype=dtype, scale=0.1) + 1.0
+    weights, chosen = moe_route_ref(logits.cpu(), top_k, True)
+    args = (w13.cpu().float(), w2.cpu().float(), weights, chosen)
+    want = fused_moe_ref(normed.cpu(), *args)
+    want_normed, want_residual = fused_add_rms_norm_ref(
+        want.to(dtype), residual.cpu(), weight.cpu(), 1e-6
+    )
+    monkeypatch.setattr(sparse_mlp, "use_triton", lambda t: True)
+    with poisoned():
+        out = moe_mlp(pending, logits, w13, w2, top_k, True)
+        got_normed, new_residual = moe_mlp_add_rms_norm(
+            pending, logits, w13, w2, top_k, True, residual, weight, 1e-6
+        )
+    what = f"{tokens} tokens {dtype}"
+    check(out.cpu(), want.to(dtype), f"experts of a pending norm, {what}")
+    assert isinstance(got_normed, PendingNorm), what
+    assert got_normed.hidden is new_residual
+    check(new_residual.cpu(), want_residual, f"residual, {what}")
+    check(got_normed.materialize().cpu(), want_normed, f"pending output norm, {what}")
+
+
+@requires_triton
+def test_rows_past_the_fused_limit_get_the_norm_applied(monkeypatch):
+    """Past the rows whose consumers apply a pending norm (and with the fusion off), the sum
+    normalizes whole rows itself."""
+    import kernels.sparse_mlp as sparse_mlp
+
+    monkeypatch.setattr(sparse_mlp, "use_triton", lambda t: True)
+    hidden, inter, experts, top_k = 32, 16, 4, 2
+    g = gen(41)
+    w13 = randn(experts, 2 * inter, hidden, g=g, dtype=torch.float16, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inter, g=g, dtype=torch.float16, scale=inter**-0.5)
+    weight = torch.ones(hidden, dtype=torch.float16, device=DEVICE)
+
+    def normed_output(tokens: int):
+        x = randn(tokens, hidden, g=g, dtype=torch.float16)
+        logits = _distinct_logits(tokens, experts, tokens)
+        residual = randn(tokens, hidden, g=g, dtype=torch.float16)
+        return moe_mlp_add_rms_norm(x, logits, w13, w2, top_k, True, residual, weight, 1e-6)[0]
+
+    assert isinstance(normed_output(2), PendingNorm)
+    assert isinstance(normed_output(65), torch.Tensor)
+    monkeypatch.setenv("PEGAINFER_NORM_FUSION", "0")
+    assert isinstance(normed_output(2), torch.Tensor)
+
+
 @requires_triton
 @pytest.mark.parametrize("tokens", [1, 3, FUSED_ROUTING_MAX_TOKENS + 1])
 def test_whole_sparse_mlp_matches_reference(tokens, monkeypatch):
     """Routing, grouping, both GEMMs and the sum with its add and norm, as the layer calls
     them, against the references (float32)."""
-    import kernels.fused_moe as fused
+    import kernels.sparse_mlp as sparse_mlp
 
     hidden, inter, experts, top_k = 48, 24, 6, 2
     g = gen(tokens + 99)
@@ -214,7 +319,7 @@ def test_whole_sparse_mlp_matches_reference(tokens, monkeypatch):
     weights, chosen = moe_route_ref(logits.cpu(), top_k, True)
     want = fused_moe_ref(x.cpu(), w13.cpu(), w2.cpu(), weights, chosen)
     want_normed, want_residual = fused_add_rms_norm_ref(want, residual.cpu(), weight.cpu(), 1e-6)
-    monkeypatch.setattr(fused, "use_triton", lambda t: True)
+    monkeypatch.setattr(sparse_mlp, "use_triton", lambda t: True)
     with poisoned():
         out = moe_mlp(x, logits, w13, w2, top_k, True)
         normed, new_residual = moe_mlp_add_rms_norm(
@@ -300,7 +405,7 @@ def _truncating_reference(x, w13, w2, weights, experts):
 def test_tiles_fit_shared_memory(tokens, dtype):
     """A tile past the SM's shared memory fails only at its first launch on a GPU."""
     size = torch.empty((), dtype=dtype).element_size()
-    tiles = _tiles(tokens, size)
+    tiles = moe_tiles(tokens, size)
     assert tile_shared_bytes(tiles, size) <= SHARED_MEMORY_BYTES, (tiles, dtype)
     # The rule's own measure: Triton asked for 294,912 bytes for (16, 64, 256) in float32.
     assert tile_shared_bytes((16, 64, 256, 4), 4) == 294912
@@ -336,11 +441,18 @@ def test_moe_in_a_cuda_graph_equals_eager(tokens, path):
             return (fused_moe_triton(x, w13, w2, weights, chosen),)
         return moe_mlp_add_rms_norm(x, logits, w13, w2, top_k, True, residual, weight, 1e-6)
 
-    eager = run()
+    def tensors(outputs):
+        for out in outputs:
+            if isinstance(out, PendingNorm):
+                yield from (out.hidden, out.weighted, out.square_sums)
+            else:
+                yield out
+
+    eager = list(tensors(run()))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = run()
+        captured = list(tensors(run()))
     for out in captured:
         out.fill_(float("nan"))
     graph.replay()

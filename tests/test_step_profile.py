@@ -7,6 +7,7 @@ import pytest
 
 from tools.bench_model import ModelShape, Roofline
 from tools.step_profile import (
+    EXPERTS,
     GEMM,
     LM_HEAD,
     OTHER,
@@ -74,6 +75,21 @@ def test_kernel_names_map_to_parts():
     assert kernel_part("_rotary_kernel") == "q/k norm + rotary + kv write"
     assert kernel_part("Memset (Device)") == "copies and memsets"
     assert kernel_part("void at::native::vectorized_elementwise_kernel<4>") == OTHER
+    # Every kernel of the sparse MLP, whichever path ran it (kernels/sparse_mlp.py).
+    import kernels.moe_grouping
+    import kernels.moe_routing
+    import kernels.moe_sum
+
+    moe_kernels = [
+        name
+        for module in (kernels.moe_grouping, kernels.moe_routing, kernels.moe_sum)
+        for name in vars(module)
+        if name.startswith("_") and name.endswith("_kernel")
+    ]
+    assert len(moe_kernels) >= 7
+    for name in moe_kernels:
+        assert kernel_part(name).startswith("moe "), name
+    assert kernel_part("_grouped_gemm_kernel") == EXPERTS
 
 
 def test_gemm_runs_are_named_by_their_place_in_the_step():

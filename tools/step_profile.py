@@ -76,7 +76,11 @@ _MOE_PARTS = (
     ("_grouped_gemm_kernel", EXPERTS),
     ("_route_kernel", "moe routing + grouping"),
     ("_group_kernel", "moe routing + grouping"),
+    ("_count_kernel", "moe routing + grouping"),
+    ("_runs_kernel", "moe routing + grouping"),
+    ("_place_kernel", "moe routing + grouping"),
     ("_sum_add_norm_kernel", "moe sum + add + rmsnorm"),
+    ("_sum_add_square_kernel", "moe sum + add + rmsnorm"),
 )
 
 

@@ -75,16 +75,23 @@ class FusedMoE(nn.Module):
         _check_shape(target, loaded, f"expert {expert} {projection}_proj")
         target.copy_(loaded)
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor | kernels.PendingNorm, router_logits: torch.Tensor
+    ) -> torch.Tensor:
         """``x [T, H]`` routed by ``router_logits [T, E]`` -> ``[T, H]``, summed over ranks."""
         out = kernels.moe_mlp(x, router_logits, self.w13, self.w2, self.top_k, self.renormalize)
         return tensor_model_parallel_all_reduce(out)
 
     def forward_add_norm(
-        self, x: torch.Tensor, router_logits: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        x: torch.Tensor | kernels.PendingNorm,
+        router_logits: torch.Tensor,
+        residual: torch.Tensor,
+        norm: RMSNorm,
+    ) -> tuple[torch.Tensor | kernels.PendingNorm, torch.Tensor]:
         """``(norm(self(x) + residual), self(x) + residual)``. On one rank the experts' sum
-        ends in the add and the norm; shards add after their all-reduce."""
+        ends in the add and the norm, which at decode rows is left pending; shards add after
+        their all-reduce."""
         if self.tp_size > 1:
             return norm(self(x, router_logits), residual)
         return kernels.moe_mlp_add_rms_norm(

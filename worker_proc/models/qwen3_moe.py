@@ -18,7 +18,6 @@ import re
 import torch
 from torch import nn
 
-import kernels
 from worker_proc.layers.fused_moe import FusedMoE
 from worker_proc.layers.linear import ReplicatedLinear
 from worker_proc.layers.norm import RMSNorm
@@ -58,8 +57,9 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
     def forward(
         self, x: Activation, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[Activation, torch.Tensor]:
-        """``(norm(moe + residual), moe + residual)``."""
-        x = kernels.as_tensor(x)  # the router and the experts both read the normed rows
+        """``(norm(moe + residual), moe + residual)``; the norm may be left pending."""
+        # A pending norm (kernels/pending_norm.py) is applied by the router's projection and
+        # by the experts' first GEMM as each reads it.
         return self.experts.forward_add_norm(x, self.gate(x), residual, norm)
 
 

@@ -1,0 +1,94 @@
+"""The whole sparse MLP of a mixture-of-experts layer: routing (kernels/moe_routing.py), the
+experts' grouped GEMMs (kernels/fused_moe.py), and the sum over each token's experts ending
+in the residual add and RMSNorm that follow (kernels/moe_sum.py).
+
+At decode rows it takes and gives a ``PendingNorm`` (kernels/pending_norm.py), as the dense
+layers' projections do: the router and the first grouped GEMM apply the input's norm as
+they read it, and the output's norm is left to the next layer's qkv projection. That is two
+norm kernels a layer fewer than materializing the norm before the router and normalizing
+whole rows after the sum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backend import load_triton, use_triton
+from kernels.fused_moe import experts_per_pair, fused_moe_ref, moe_tiles
+from kernels.moe_routing import moe_route_and_group_triton, moe_route_ref
+from kernels.moe_sum import moe_sum_add_pending_norm_triton, moe_sum_add_rms_norm_triton
+from kernels.pending_norm import PendingNorm, as_tensor
+from kernels.rmsnorm import fused_add_rms_norm_ref
+
+
+def moe_mlp(
+    x: torch.Tensor | PendingNorm,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """Route ``x [T, H]`` by ``router_logits [T, E]`` and run it through its experts."""
+    if not use_triton(router_logits):
+        weights, experts = moe_route_ref(router_logits, top_k, renormalize)
+        return fused_moe_ref(as_tensor(x), w13, w2, weights, experts)
+    per_pair = _routed_per_pair(x, router_logits, w13, w2, top_k, renormalize)
+    return per_pair.sum(dim=1).to(w13.dtype)
+
+
+def moe_mlp_add_rms_norm(
+    x: torch.Tensor | PendingNorm,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+    """``moe_mlp`` then ``fused_add_rms_norm``; on a GPU the experts' sum ends in the add
+    and the norm, one kernel, and at decode rows the norm is left pending (see above)."""
+    if not use_triton(router_logits):
+        out = moe_mlp(x, router_logits, w13, w2, top_k, renormalize)
+        return fused_add_rms_norm_ref(out, residual, norm_weight, eps)
+    per_pair = _routed_per_pair(x, router_logits, w13, w2, top_k, renormalize)
+    if _leaves_norm_pending(per_pair.shape[0], residual):
+        normed = moe_sum_add_pending_norm_triton(per_pair, residual, norm_weight, eps)
+        return normed, normed.hidden
+    return moe_sum_add_rms_norm_triton(per_pair, residual, norm_weight, eps)
+
+
+def _leaves_norm_pending(num_tokens: int, residual: torch.Tensor) -> bool:
+    """The rows and dtypes whose next projection applies a pending norm itself, as after the
+    dense layers' o and down projections (kernels/linear_norm.py)."""
+    from kernels.linear_norm import fused_rows_limit
+
+    return 0 < num_tokens <= fused_rows_limit() and residual.dtype in (
+        torch.bfloat16,
+        torch.float16,
+    )
+
+
+def _routed_per_pair(
+    x: torch.Tensor | PendingNorm,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    if top_k > router_logits.shape[-1]:
+        raise ValueError(f"top_k {top_k} exceeds the {router_logits.shape[-1]} experts")
+    normed = x if isinstance(x, PendingNorm) else None
+    if normed is not None:
+        x = normed.weighted
+    if x.shape[0] == 0:
+        return torch.zeros((0, top_k, x.shape[1]), dtype=torch.float32, device=x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    tiles = moe_tiles(x.shape[0], x.element_size())
+    load_triton()
+    weights, _, groups = moe_route_and_group_triton(router_logits, top_k, renormalize, tiles[0])
+    return experts_per_pair(x, w13, w2, weights, groups, tiles, normed)
