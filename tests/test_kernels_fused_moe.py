@@ -242,8 +242,9 @@ def _pending_input(tokens: int, hidden: int, dtype: torch.dtype, offset: int):
 
 @requires_triton
 @pytest.mark.parametrize("dtype", PENDING_DTYPES)
+@pytest.mark.parametrize("gemv_tokens", ["0", "4"])
 @pytest.mark.parametrize("tokens", [1, 5] + ([64] if CUDA else []))
-def test_sparse_mlp_takes_and_leaves_a_pending_norm(tokens, dtype, monkeypatch):
+def test_sparse_mlp_takes_and_leaves_a_pending_norm(tokens, dtype, gemv_tokens, monkeypatch):
     """A pending input norm is applied by the first grouped GEMM; at decode rows the output
     norm is left pending, and it stands for the reference's."""
     import kernels.sparse_mlp as sparse_mlp
@@ -263,6 +264,7 @@ def test_sparse_mlp_takes_and_leaves_a_pending_norm(tokens, dtype, monkeypatch):
         want.to(dtype), residual.cpu(), weight.cpu(), 1e-6
     )
     monkeypatch.setattr(sparse_mlp, "use_triton", lambda t: True)
+    monkeypatch.setenv("PEGAINFER_MOE_GEMV_TOKENS", gemv_tokens)
     with poisoned():
         out = moe_mlp(pending, logits, w13, w2, top_k, True)
         got_normed, new_residual = moe_mlp_add_rms_norm(
@@ -295,15 +297,30 @@ def test_rows_past_the_fused_limit_get_the_norm_applied(monkeypatch):
         residual = randn(tokens, hidden, g=g, dtype=torch.float16)
         return moe_mlp_add_rms_norm(x, logits, w13, w2, top_k, True, residual, weight, 1e-6)[0]
 
-    assert isinstance(normed_output(2), PendingNorm)
+    assert isinstance(normed_output(2), PendingNorm)  # the down GEMV ends in the add
+    assert isinstance(normed_output(6), PendingNorm)  # the sum kernel, in slices
     assert isinstance(normed_output(65), torch.Tensor)
     monkeypatch.setenv("PEGAINFER_NORM_FUSION", "0")
-    assert isinstance(normed_output(2), torch.Tensor)
+    for tokens in (2, 6):
+        x = randn(tokens, hidden, g=g, dtype=torch.float16)
+        logits = _distinct_logits(tokens, experts, tokens)
+        residual = randn(tokens, hidden, g=g, dtype=torch.float16)
+        normed, new_residual = moe_mlp_add_rms_norm(
+            x, logits, w13, w2, top_k, True, residual, weight, 1e-6
+        )
+        weights, chosen = moe_route_ref(logits.cpu(), top_k, True)
+        want = fused_moe_ref(x.cpu(), w13.cpu(), w2.cpu(), weights, chosen)
+        want_normed, want_residual = fused_add_rms_norm_ref(
+            want, residual.cpu(), weight.cpu(), 1e-6
+        )
+        check(new_residual.cpu(), want_residual, f"residual of {tokens} tokens, fusion off")
+        check(normed.cpu(), want_normed, f"norm of {tokens} tokens, fusion off")
 
 
 @requires_triton
+@pytest.mark.parametrize("gemv_tokens", ["0", "4"])
 @pytest.mark.parametrize("tokens", [1, 3, FUSED_ROUTING_MAX_TOKENS + 1])
-def test_whole_sparse_mlp_matches_reference(tokens, monkeypatch):
+def test_whole_sparse_mlp_matches_reference(tokens, gemv_tokens, monkeypatch):
     """Routing, grouping, both GEMMs and the sum with its add and norm, as the layer calls
     them, against the references (float32)."""
     import kernels.sparse_mlp as sparse_mlp
@@ -320,6 +337,7 @@ def test_whole_sparse_mlp_matches_reference(tokens, monkeypatch):
     want = fused_moe_ref(x.cpu(), w13.cpu(), w2.cpu(), weights, chosen)
     want_normed, want_residual = fused_add_rms_norm_ref(want, residual.cpu(), weight.cpu(), 1e-6)
     monkeypatch.setattr(sparse_mlp, "use_triton", lambda t: True)
+    monkeypatch.setenv("PEGAINFER_MOE_GEMV_TOKENS", gemv_tokens)  # 1-4 tokens as GEMVs, or not
     with poisoned():
         out = moe_mlp(x, logits, w13, w2, top_k, True)
         normed, new_residual = moe_mlp_add_rms_norm(
