@@ -191,31 +191,26 @@ def _down_kernel(
         # Written before the sparse MLP's kernels began: readable before the wait.
         residual = tl.load(residual_ptr + offsets, mask=feature_ok, other=0.0)
         norm_w = tl.load(norm_w_ptr + safe_features).to(tl.float32)
+    # The routing's outputs, from before the gate/up kernel: readable before the wait too.
     slots = tl.arange(0, BLOCK_TOP_K)
     slot_ok = slots < TOP_K
-    # The routing's outputs, from before the gate/up kernel: readable before the wait too.
-    experts = tl.load(experts_ptr + token * TOP_K + slots, mask=slot_ok, other=0)
-    experts = tl.minimum(tl.maximum(experts, 0), NUM_EXPERTS - 1)
-    pair_weights = tl.load(weights_ptr + token * TOP_K + slots, mask=slot_ok, other=0.0)
+    pairs = token * TOP_K + slots
+    experts = tl.load(experts_ptr + pairs, mask=slot_ok, other=0)
+    experts = tl.minimum(tl.maximum(experts, 0), NUM_EXPERTS - 1).to(tl.int64)
+    pair_weights = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0)[:, None, None]
+    # One [experts, features, K] tile a step: the TOP_K experts' weight tiles are in flight
+    # together (at one token there are only a thousand programs, too few to fill the memory
+    # system with one expert's tile each).
+    w_tiles = w_ptr + experts[:, None, None] * stride_we + safe_features[None, :, None] * stride_wn
+    act_rows = act_ptr + pairs[:, None, None] * inter
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
-    k_tiles = tl.cdiv(inter, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for step in tl.range(0, TOP_K * k_tiles, num_stages=LOOP_STAGES):
-        slot = step // k_tiles
-        expert = tl.sum(tl.where(slots == slot, experts, 0), axis=0).to(tl.int64)
-        pair_weight = tl.sum(tl.where(slots == slot, pair_weights, 0.0), axis=0)
-        ks = (step % k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = (ks < inter)[None, :]
-        act = tl.load(
-            act_ptr + (token * TOP_K + slot) * inter + ks[None, :], mask=k_ok, other=0.0
-        ).to(tl.float32)
-        w = tl.load(
-            w_ptr + expert * stride_we + safe_features[:, None] * stride_wn + ks[None, :],
-            mask=k_ok,
-            other=0.0,
-            eviction_policy=W_EVICT,
-        )
-        acc += (act * pair_weight) * w.to(tl.float32)
+    for k_start in tl.range(0, inter, BLOCK_K, num_stages=LOOP_STAGES):
+        ks = (k_start + tl.arange(0, BLOCK_K))[None, None, :]
+        mask = slot_ok[:, None, None] & (ks < inter)
+        w = tl.load(w_tiles + ks, mask=mask, other=0.0, eviction_policy=W_EVICT)
+        act = tl.load(act_rows + ks, mask=mask, other=0.0)
+        acc += tl.sum(act.to(tl.float32) * pair_weights * w.to(tl.float32), axis=0)
     y = tl.sum(acc, axis=1)
     if ADD_NORM:
         squares = pending_norm.add_loaded_residual_and_square(
