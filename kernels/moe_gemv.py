@@ -272,7 +272,9 @@ def moe_gemv_triton(
         normed.eps if normed is not None else 0.0,
         TOP_K=top_k,
         NUM_EXPERTS=num_experts,
-        IN_GROUPS=normed.groups_block_for_row(gate_up_tile.num_warps) if normed else 0,
+        IN_GROUPS=(
+            normed.groups_block_for_row(gate_up_tile.num_warps) if normed is not None else 0
+        ),
         BLOCK_N=gate_up_tile.block_n,
         BLOCK_K=gate_up_tile.block_k,
         LOOP_STAGES=gate_up_tile.num_stages,
