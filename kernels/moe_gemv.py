@@ -1,23 +1,20 @@
-"""The experts of a few decode tokens as GEMVs: each (token, expert) pair streams its
-expert's weight rows on CUDA cores, with no grouping by expert and no tensor-core row
-blocks.
+"""The experts of a few decode tokens as GEMVs on CUDA cores, with no grouping by expert.
 
-At one token the grouped GEMMs (kernels/fused_moe.py) pad each expert's single row to a
-16-row block and run a program per 64 features of an expert: 96 programs for Qwen3-30B-A3B's
-gate/up, fewer than an H100 has SMs, at 70% of the bytes' floor. Here a program takes
-``block_n`` features of one pair, thousands of programs as in the dense GEMV
-(kernels/gemv.py), and the pairs need only their routing (kernels/moe_routing.py), not the
-grouping. Pairs of different tokens that share an expert read its rows once each (from L2
-when they run side by side), so this pays only for a few tokens.
+At one token the grouped GEMMs (kernels/fused_moe.py) pad each expert's row to a 16-row
+block and run a program per 64 features of an expert: 96 programs for Qwen3-30B-A3B's
+gate/up, fewer than an H100 has SMs, at 70% of the bytes' floor. Here thousands of programs
+take a few features each, as in the dense GEMV (kernels/gemv.py). Pairs of different tokens
+that share an expert read it once each (from L2 when they run side by side), so this pays
+only for a few tokens.
 
-- ``_gate_up_kernel``: one program per (pair, feature tile): ``silu(x @ gate.T) * (x @
-  up.T)`` of its token's row, the gate and up projections rounded to the dtype first. A
-  pending input norm (kernels/pending_norm.py) scales both projections by the row's
-  ``1 / rms``.
-- ``_down_kernel``: one program per (token, feature tile), looping over the token's
-  experts: the routing-weighted sum of their down projections, in float32. It ends either
-  in a float32 store, or in the residual add with the next norm left pending, as the dense
-  down projection's GEMV does: that replaces the sum kernel (kernels/moe_sum.py) too.
+- ``_gate_up_kernel``, a program per (pair, feature tile): ``silu(x @ gate.T) * (x @ up.T)``
+  of its token's row, both projections rounded to the dtype first; a pending input norm
+  (kernels/pending_norm.py) scales them by the row's ``1 / rms``. With ``ROUTE`` each program
+  first routes its token from the router's logits (kernels/moe_routing.py), so no routing
+  kernel runs between the router and this one.
+- ``_down_kernel``, a program per (token, feature tile): the routing-weighted sum of the
+  token's experts' down projections in float32, ending in a float32 store or, as the dense
+  down GEMV, in the residual add with the next norm left pending (no sum kernel after).
 
 The reference is ``moe_gemv_ref``: ``fused_moe_ref``'s roundings, the sum left in float32.
 """
@@ -29,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import pdl, pending_norm
+from kernels import moe_routing, pdl, pending_norm
 from kernels.attention_merge import split_counters
 from kernels.backend import (
     cdiv,
@@ -95,16 +92,23 @@ def _gate_up_kernel(
     w_ptr,
     out_ptr,
     experts_ptr,
+    weights_ptr,
+    logits_ptr,
     in_sums_ptr,
     K,
     inter,
     stride_x,
     stride_we,
     stride_wn,
+    stride_logits,
     num_in_groups,
     eps,
     TOP_K: tl.constexpr,
+    BLOCK_TOP_K: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    ROUTE: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
     IN_GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -119,9 +123,35 @@ def _gate_up_kernel(
     feature_ok = features < inter
     safe_features = tl.where(feature_ok, features, 0).to(tl.int64)
     token = tl.zeros([1], dtype=tl.int64) + pair // TOP_K
-    # The experts are the routing's output, the kernel just before: nothing to read early.
+    # The experts come from the kernel just before (the router, or the routing): nothing to
+    # read early.
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
-    expert = tl.load(experts_ptr + pair)
+    if ROUTE:
+        # Every program of a token routes it from the router's logits (k rounds of arg-max
+        # over a row of a few hundred bytes), which costs less than a routing kernel between
+        # the router and this one; the programs of the first feature tile store the routing
+        # for the down kernel.
+        chosen_weights, chosen_experts = moe_routing.top_experts(
+            logits_ptr,
+            token,
+            token >= 0,
+            stride_logits,
+            NUM_EXPERTS,
+            TOP_K,
+            BLOCK_E,
+            BLOCK_TOP_K,
+            RENORMALIZE,
+            1,
+        )
+        slots = tl.arange(0, BLOCK_TOP_K)[None, :]
+        mine = slots == pair % TOP_K
+        expert = tl.sum(tl.sum(tl.where(mine, chosen_experts, 0), axis=1), axis=0)
+        if tl.program_id(1) == 0:
+            pair_weight = tl.sum(tl.sum(tl.where(mine, chosen_weights, 0.0), axis=1), axis=0)
+            tl.store(experts_ptr + pair, expert)
+            tl.store(weights_ptr + pair, pair_weight)
+    else:
+        expert = tl.load(experts_ptr + pair)
     expert = tl.minimum(tl.maximum(expert, 0), NUM_EXPERTS - 1).to(tl.int64)
     if IN_GROUPS > 0:
         square_sums = pending_norm.load_square_sums(
@@ -173,6 +203,7 @@ def _down_kernel(
     TOP_K: tl.constexpr,
     BLOCK_TOP_K: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
+    ROUTED_JUST_BEFORE: tl.constexpr,
     ADD_NORM: tl.constexpr,
     GROUP_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -191,19 +222,25 @@ def _down_kernel(
         # Written before the sparse MLP's kernels began: readable before the wait.
         residual = tl.load(residual_ptr + offsets, mask=feature_ok, other=0.0)
         norm_w = tl.load(norm_w_ptr + safe_features).to(tl.float32)
-    # The routing's outputs, from before the gate/up kernel: readable before the wait too.
     slots = tl.arange(0, BLOCK_TOP_K)
     slot_ok = slots < TOP_K
     pairs = token * TOP_K + slots
-    experts = tl.load(experts_ptr + pairs, mask=slot_ok, other=0)
+    act_rows = act_ptr + pairs[:, None, None] * inter
+    # A routing from before the gate/up kernel is readable before the wait too; one that the
+    # gate/up kernel wrote (``ROUTED_JUST_BEFORE``) only after it.
+    if not ROUTED_JUST_BEFORE:
+        experts = tl.load(experts_ptr + pairs, mask=slot_ok, other=0)
+        pair_weights = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0)
+    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
+    if ROUTED_JUST_BEFORE:
+        experts = tl.load(experts_ptr + pairs, mask=slot_ok, other=0)
+        pair_weights = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0)
     experts = tl.minimum(tl.maximum(experts, 0), NUM_EXPERTS - 1).to(tl.int64)
-    pair_weights = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0)[:, None, None]
     # One [experts, features, K] tile a step: the TOP_K experts' weight tiles are in flight
     # together (at one token there are only a thousand programs, too few to fill the memory
     # system with one expert's tile each).
     w_tiles = w_ptr + experts[:, None, None] * stride_we + safe_features[None, :, None] * stride_wn
-    act_rows = act_ptr + pairs[:, None, None] * inter
-    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
+    pair_weights = pair_weights[:, None, None]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k_start in tl.range(0, inter, BLOCK_K, num_stages=LOOP_STAGES):
         ks = (k_start + tl.arange(0, BLOCK_K))[None, None, :]
@@ -243,10 +280,47 @@ def moe_gemv_triton(
     """The experts of ``x [T, H]`` (a pending norm's stream, normed on the way in) summed
     over each token's ``topk_experts`` by ``topk_weights``: ``[T, H]`` float32, or with
     ``residual`` and ``norm_weight`` the new residual with the norm after it pending."""
+    experts = topk_experts.reshape(-1).to(torch.int32).contiguous()
+    weights = topk_weights.reshape(-1).float().contiguous()
+    return _launch(x, w13, w2, experts, weights, None, False, residual, norm_weight, eps)
+
+
+def moe_gemv_routed_triton(
+    x: torch.Tensor | PendingNorm,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor | PendingNorm:
+    """``moe_gemv_triton`` routed by ``router_logits [T, E]`` inside the gate/up kernel (as
+    ``moe_route_ref``): no routing kernel of its own."""
+    num_tokens = router_logits.shape[0]
+    experts = torch.empty(num_tokens * top_k, dtype=torch.int32, device=router_logits.device)
+    weights = torch.empty(num_tokens * top_k, dtype=torch.float32, device=router_logits.device)
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    return _launch(x, w13, w2, experts, weights, logits, renormalize, residual, norm_weight, eps)
+
+
+def _launch(
+    x: torch.Tensor | PendingNorm,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    router_logits: torch.Tensor | None,
+    renormalize: bool,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor | PendingNorm:
     normed = x if isinstance(x, PendingNorm) else None
     x = normed.weighted if normed is not None else x
     num_tokens, hidden = x.shape
-    top_k = topk_experts.shape[1]
+    top_k = experts.numel() // max(num_tokens, 1)
     num_experts, double_inter, _ = w13.shape
     inter = double_inter // 2
     if x.stride(-1) != 1:
@@ -254,24 +328,30 @@ def moe_gemv_triton(
     gate_up_tile, down_tile = tiles_now()
     load_triton()
     with_pdl = use_pdl(x)
-    experts = topk_experts.reshape(-1).to(torch.int32).contiguous()
-    weights = topk_weights.reshape(-1).float().contiguous()
+    routed = router_logits is not None
     activation = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_tokens * top_k, cdiv(inter, gate_up_tile.block_n))](
         x,
         w13,
         activation,
         experts,
+        weights,
+        router_logits if routed else x,
         normed.square_sums if normed is not None else x,
         hidden,
         inter,
         x.stride(0),
         w13.stride(0),
         w13.stride(1),
+        router_logits.stride(0) if routed else 0,
         normed.num_groups if normed is not None else 1,
         normed.eps if normed is not None else 0.0,
         TOP_K=top_k,
+        BLOCK_TOP_K=next_power_of_2(top_k),
         NUM_EXPERTS=num_experts,
+        BLOCK_E=next_power_of_2(num_experts),
+        ROUTE=routed,
+        RENORMALIZE=renormalize,
         IN_GROUPS=(
             normed.groups_block_for_row(gate_up_tile.num_warps) if normed is not None else 0
         ),
@@ -320,6 +400,7 @@ def moe_gemv_triton(
         TOP_K=top_k,
         BLOCK_TOP_K=next_power_of_2(top_k),
         NUM_EXPERTS=num_experts,
+        ROUTED_JUST_BEFORE=routed,
         ADD_NORM=add_norm,
         GROUP_TILES=group_tiles,
         BLOCK_N=down_tile.block_n,

@@ -4,8 +4,8 @@ follow.
 
 The experts run one of two ways:
 - up to ``moe_gemv.gemv_max_tokens()`` tokens (decode at small batches), as GEMVs
-  (kernels/moe_gemv.py): routing, gate/up, and down ending in the sum and the add, three
-  kernels;
+  (kernels/moe_gemv.py): gate/up with the routing, and down ending in the sum and the add,
+  two kernels after the router;
 - above, as grouped GEMMs over the pairs grouped by expert (kernels/fused_moe.py), then the
   sum kernel (kernels/moe_sum.py).
 
@@ -22,8 +22,8 @@ import torch
 
 from kernels.backend import load_triton, use_triton
 from kernels.fused_moe import experts_per_pair, fused_moe_ref, moe_tiles
-from kernels.moe_gemv import gemv_max_tokens, moe_gemv_triton
-from kernels.moe_routing import moe_route_and_group_triton, moe_route_ref, moe_route_triton
+from kernels.moe_gemv import gemv_max_tokens, moe_gemv_routed_triton
+from kernels.moe_routing import moe_route_and_group_triton, moe_route_ref
 from kernels.moe_sum import moe_sum_add_pending_norm_triton, moe_sum_add_rms_norm_triton
 from kernels.pending_norm import PendingNorm, as_tensor
 from kernels.rmsnorm import fused_add_rms_norm_ref
@@ -43,8 +43,9 @@ def moe_mlp(
         weights, experts = moe_route_ref(router_logits, top_k, renormalize)
         return fused_moe_ref(as_tensor(x), w13, w2, weights, experts)
     if _takes_gemv(router_logits):
-        weights, experts = moe_route_triton(router_logits, top_k, renormalize)
-        return moe_gemv_triton(x, w13, w2, weights, experts).to(w13.dtype)
+        summed = moe_gemv_routed_triton(x, router_logits, w13, w2, top_k, renormalize)
+        assert isinstance(summed, torch.Tensor)
+        return summed.to(w13.dtype)
     per_pair = _routed_per_pair(x, router_logits, w13, w2, top_k, renormalize)
     return per_pair.sum(dim=1).to(w13.dtype)
 
@@ -68,12 +69,12 @@ def moe_mlp_add_rms_norm(
         return fused_add_rms_norm_ref(out, residual, norm_weight, eps)
     pending = _leaves_norm_pending(router_logits.shape[0], residual)
     if _takes_gemv(router_logits):
-        weights, experts = moe_route_triton(router_logits, top_k, renormalize)
+        route = (x, router_logits, w13, w2, top_k, renormalize)
         if pending:
-            normed = moe_gemv_triton(x, w13, w2, weights, experts, residual, norm_weight, eps)
+            normed = moe_gemv_routed_triton(*route, residual, norm_weight, eps)
             assert isinstance(normed, PendingNorm)
             return normed, normed.hidden
-        summed = moe_gemv_triton(x, w13, w2, weights, experts)
+        summed = moe_gemv_routed_triton(*route)
         assert isinstance(summed, torch.Tensor)
         return moe_sum_add_rms_norm_triton(summed.unsqueeze(1), residual, norm_weight, eps)
     per_pair = _routed_per_pair(x, router_logits, w13, w2, top_k, renormalize)

@@ -20,7 +20,13 @@ from triton_test_util import (
 
 from kernels.attention_merge import split_counters
 from kernels.fused_moe import fused_moe_triton
-from kernels.moe_gemv import gemv_max_tokens, moe_gemv_ref, moe_gemv_triton, tiles_now
+from kernels.moe_gemv import (
+    gemv_max_tokens,
+    moe_gemv_ref,
+    moe_gemv_routed_triton,
+    moe_gemv_triton,
+    tiles_now,
+)
 from kernels.moe_routing import moe_route_ref
 from kernels.moe_sum import moe_sum_add_pending_norm_triton
 from kernels.pending_norm import PendingNorm
@@ -37,12 +43,16 @@ SHAPES = [(1, 64, 48, 8, 2), (3, 600, 41, 4, 3)] + (
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 
 
-def _experts(tokens, hidden, inter, experts, top_k, dtype, offset):
+def _experts(tokens, hidden, inter, experts, top_k, dtype, offset, with_logits=False):
     g = gen(offset)
     w13 = randn(experts, 2 * inter, hidden, g=g, dtype=dtype, scale=hidden**-0.5)
     w2 = randn(experts, hidden, inter, g=g, dtype=dtype, scale=inter**-0.5)
-    logits = randn(tokens, experts, g=g, dtype=torch.float32)
+    # Distinct logits in a row, so that the top-k set is unambiguous.
+    ranks = torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)])
+    logits = (ranks.float() * 0.37 + 0.05 * torch.rand(tokens, experts, generator=g)).to(DEVICE)
     weights, chosen = moe_route_ref(logits, top_k, True)
+    if with_logits:
+        return w13, w2, weights, chosen, logits
     return w13, w2, weights, chosen
 
 
@@ -108,6 +118,45 @@ def test_gemv_takes_and_leaves_a_pending_norm(tokens, hidden, inter, experts, to
     assert _counters_clear(), "the slot counters are left zeroed for the next launch"
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens,hidden,inter,experts,top_k", SHAPES)
+def test_gemv_routes_inside_the_gate_up_kernel(tokens, hidden, inter, experts, top_k, renormalize):
+    """Routed from the router's logits inside the gate/up kernel: the routing kernel's
+    function, in bf16 logits as the router gives them, with and without renormalising."""
+    dtype = torch.float16 if not CUDA else torch.bfloat16
+    w13, w2, _, _, logits = _experts(
+        tokens, hidden, inter, experts, top_k, dtype, tokens + 70, with_logits=True
+    )
+    logits = logits.to(dtype)
+    weights, chosen = moe_route_ref(logits, top_k, renormalize)
+    pending, normed = _pending_input(tokens, hidden, dtype, tokens + 71)
+    with poisoned():
+        routed = moe_gemv_routed_triton(pending, logits, w13, w2, top_k, renormalize)
+        given = moe_gemv_triton(pending, w13, w2, weights, chosen)
+    # The same experts; the weights from the kernel's softmax, not torch's.
+    check(routed.cpu(), given.cpu(), f"routed against given, {tokens} tokens")
+    want = _reference(normed.to(dtype), w13, w2, weights, chosen)
+    check(routed.to(dtype).cpu(), want.to(dtype), f"routed MoE GEMV {tokens} tokens")
+
+
+def test_gemv_routes_a_row_of_nan_to_experts_in_range():
+    """A graph's padding row has NaN logits: its pairs take the first experts at weight 0,
+    in range, and the other rows are untouched."""
+    tokens, hidden, inter, experts, top_k = 3, 64, 24, 8, 2
+    w13, w2, _, _, logits = _experts(
+        tokens, hidden, inter, experts, top_k, torch.float32, 80, with_logits=True
+    )
+    x = randn(tokens, hidden, g=gen(81), dtype=torch.float32)
+    logits[1] = float("nan")
+    x[1] = float("nan")
+    with poisoned():
+        got = moe_gemv_routed_triton(x, logits, w13, w2, top_k, True)
+    keep = [0, 2]
+    weights, chosen = moe_route_ref(logits[keep], top_k, True)
+    want = _reference(x[keep], w13, w2, weights, chosen)
+    check(got[keep].cpu(), want, "the rows beside a NaN row")
+
+
 def test_gemv_equals_the_grouped_gemms():
     """Both paths of the experts give the same function (float32, tokens sharing experts)."""
     tokens, hidden, inter, experts, top_k = 4, 96, 40, 3, 2
@@ -144,9 +193,14 @@ def test_gemv_in_a_cuda_graph_equals_eager(tokens):
     residual = randn(tokens, hidden, g=gen(62), dtype=dtype)
     norm_weight = torch.ones(hidden, dtype=dtype, device=DEVICE)
 
+    logits = randn(tokens, experts, g=gen(63), dtype=dtype)
+
     def run():
         out = moe_gemv_triton(pending, w13, w2, weights, chosen, residual, norm_weight, 1e-6)
-        return out.hidden, out.weighted, out.square_sums
+        routed = moe_gemv_routed_triton(
+            pending, logits, w13, w2, top_k, True, residual, norm_weight, 1e-6
+        )
+        return out.hidden, out.weighted, out.square_sums, routed.hidden, routed.square_sums
 
     eager = run()
     torch.cuda.synchronize()
