@@ -213,3 +213,34 @@ def test_gemv_in_a_cuda_graph_equals_eager(tokens):
     torch.cuda.synchronize()
     for got, want in zip(captured, eager):
         assert torch.equal(got, want), f"{tokens} tokens (seed {SEED})"
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the golden tests run these kernels in the model")
+def test_tiny_qwen3_moe_runs_the_same_on_triton_kernels(tmp_path, monkeypatch):
+    """The sparse MLP's kernels in the real model (decode steps of one and two sequences on
+    the GEMVs, prefill chunks on the grouped GEMMs), against the references: the same
+    greedy tokens."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from worker_helpers import MiniScheduler, engine_config, make_tiny_checkpoint
+
+    import kernels.sparse_mlp as sparse_mlp
+    from pegainfer.protocol import SamplingParams
+    from worker_proc.model_runner import ModelRunner
+
+    runner = ModelRunner(engine_config(make_tiny_checkpoint(str(tmp_path), "qwen3_moe", seed=2)))
+
+    def generate() -> dict[int, list[int]]:
+        scheduler = MiniScheduler(runner, chunk=5, token_budget=8, seed=3)
+        for seq_id, tokens in enumerate([list(range(40, 49)), [77, 3]]):
+            scheduler.add(seq_id, tokens, 4, SamplingParams(temperature=0.0))
+        outputs = scheduler.run()
+        scheduler.flush()
+        return outputs
+
+    expected = generate()
+    monkeypatch.setattr(sparse_mlp, "use_triton", lambda tensor: True)
+    assert generate() == expected, f"seed {SEED}"
