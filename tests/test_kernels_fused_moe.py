@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_kernels_moe_gemv import pending_input
 from triton_test_util import (
     CUDA,
     DEVICE,
@@ -44,7 +45,7 @@ from kernels.moe_sum import (
     moe_sum_add_rms_norm_triton,
 )
 from kernels.pending_norm import PendingNorm
-from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.rmsnorm import fused_add_rms_norm_ref
 from kernels.sparse_mlp import moe_mlp, moe_mlp_add_rms_norm
 
 # (tokens, experts, top_k): one decode row, a few rows, rows sharing few experts, more
@@ -230,16 +231,6 @@ def test_sum_add_pending_norm_matches_reference(tokens, top_k, hidden, dtype):
     check(pending.materialize(), want_normed, f"normed {what}")
 
 
-def _pending_input(tokens: int, hidden: int, dtype: torch.dtype, offset: int):
-    """A PendingNorm as the o projection leaves it, and the norm it stands for (float32)."""
-    g = gen(offset)
-    per_pair = randn(tokens, 1, hidden, g=g, dtype=torch.float32)
-    residual = randn(tokens, hidden, g=g, dtype=dtype)
-    weight = randn(hidden, g=g, dtype=dtype, scale=0.2) + 1.0
-    pending = moe_sum_add_pending_norm_triton(per_pair, residual, weight, 1e-6)
-    return pending, rms_norm_ref(pending.hidden.float(), weight.float(), 1e-6)
-
-
 @requires_triton
 @pytest.mark.parametrize("dtype", PENDING_DTYPES)
 @pytest.mark.parametrize("gemv_tokens", ["0", "4"])
@@ -251,7 +242,7 @@ def test_sparse_mlp_takes_and_leaves_a_pending_norm(tokens, dtype, gemv_tokens, 
 
     hidden, inter, experts, top_k = (2048, 768, 128, 8) if CUDA else (80, 24, 6, 2)
     g = gen(tokens + 31)
-    pending, normed = _pending_input(tokens, hidden, dtype, tokens + 32)
+    pending, normed = pending_input(tokens, hidden, dtype, tokens + 32)
     w13 = randn(experts, 2 * inter, hidden, g=g, dtype=dtype, scale=hidden**-0.5)
     w2 = randn(experts, hidden, inter, g=g, dtype=dtype, scale=inter**-0.5)
     logits = _distinct_logits(tokens, experts, tokens)

@@ -77,7 +77,7 @@ def test_gemv_matches_reference(tokens, hidden, inter, experts, top_k, dtype):
     check(got.to(dtype).cpu(), want.to(dtype), f"rounded, {dtype}")
 
 
-def _pending_input(tokens: int, hidden: int, dtype: torch.dtype, offset: int):
+def pending_input(tokens: int, hidden: int, dtype: torch.dtype, offset: int):
     """A PendingNorm as the o projection leaves it, and the norm it stands for (float32)."""
     g = gen(offset)
     per_pair = randn(tokens, 1, hidden, g=g, dtype=torch.float32)
@@ -93,7 +93,7 @@ def test_gemv_takes_and_leaves_a_pending_norm(tokens, hidden, inter, experts, to
     """The input's norm applied by the gate/up GEMV; the down GEMV ends in the residual add
     and leaves the next norm pending, its slots' sums the new residual's squares."""
     w13, w2, weights, chosen = _experts(tokens, hidden, inter, experts, top_k, dtype, tokens + 5)
-    pending, normed = _pending_input(tokens, hidden, dtype, tokens + 6)
+    pending, normed = pending_input(tokens, hidden, dtype, tokens + 6)
     g = gen(tokens + 7)
     residual = randn(tokens, hidden, g=g, dtype=dtype)
     norm_weight = randn(hidden, g=g, dtype=dtype, scale=0.1) + 1.0
@@ -129,7 +129,7 @@ def test_gemv_routes_inside_the_gate_up_kernel(tokens, hidden, inter, experts, t
     )
     logits = logits.to(dtype)
     weights, chosen = moe_route_ref(logits, top_k, renormalize)
-    pending, normed = _pending_input(tokens, hidden, dtype, tokens + 71)
+    pending, normed = pending_input(tokens, hidden, dtype, tokens + 71)
     with poisoned():
         routed = moe_gemv_routed_triton(pending, logits, w13, w2, top_k, renormalize)
         given = moe_gemv_triton(pending, w13, w2, weights, chosen)
@@ -189,7 +189,7 @@ def test_gemv_in_a_cuda_graph_equals_eager(tokens):
     hidden, inter, experts, top_k = 2048, 768, 128, 8
     dtype = torch.bfloat16
     w13, w2, weights, chosen = _experts(tokens, hidden, inter, experts, top_k, dtype, 60)
-    pending, _ = _pending_input(tokens, hidden, dtype, 61)
+    pending, _ = pending_input(tokens, hidden, dtype, 61)
     residual = randn(tokens, hidden, g=gen(62), dtype=dtype)
     norm_weight = torch.ones(hidden, dtype=dtype, device=DEVICE)
 
