@@ -46,17 +46,6 @@ def fused_moe_ref(
 ) -> torch.Tensor:
     """``x [T, H]`` through the experts ``topk_experts [T, k]`` weighted by
     ``topk_weights [T, k]`` -> ``[T, H]`` in ``x``'s dtype."""
-    return fused_moe_sum_ref(x, w13, w2, topk_weights, topk_experts).to(x.dtype)
-
-
-def fused_moe_sum_ref(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_experts: torch.Tensor,
-) -> torch.Tensor:
-    """``fused_moe_ref`` before its last rounding: the weighted sum in float32."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     experts = topk_experts.long()
     if x.is_cuda:
@@ -65,12 +54,12 @@ def fused_moe_sum_ref(
         for expert in range(w13.shape[0]):
             weight = (topk_weights.float() * (experts == expert)).sum(dim=1)
             out += _expert(x, w13[expert], w2[expert]) * weight[:, None]
-        return out
+        return out.to(x.dtype)
     for expert in torch.unique(experts).tolist():
         tokens, slots = torch.nonzero(experts == expert, as_tuple=True)
         down = _expert(x[tokens], w13[expert], w2[expert])
         out.index_add_(0, tokens, down * topk_weights[tokens, slots].float()[:, None])
-    return out
+    return out.to(x.dtype)
 
 
 def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

@@ -62,45 +62,12 @@ def route_tokens(
     RENORMALIZE: tl.constexpr,
     TOKEN_CHUNK: tl.constexpr,
 ):
-    """Route tokens ``t0 .. t0 + TOKEN_CHUNK`` and store their weights and experts."""
-    tokens = t0 + tl.arange(0, TOKEN_CHUNK)
-    token_ok = tokens < num_tokens
-    chosen_weights, chosen_experts = top_experts(
-        logits_ptr,
-        tokens,
-        token_ok,
-        stride_logits,
-        NUM_EXPERTS,
-        TOP_K,
-        BLOCK_E,
-        BLOCK_K,
-        RENORMALIZE,
-        TOKEN_CHUNK,
-    )
-    slots = tl.arange(0, BLOCK_K)
-    at = tokens[:, None] * TOP_K + slots[None, :]
-    keep = token_ok[:, None] & (slots[None, :] < TOP_K)
-    tl.store(weights_ptr + at, chosen_weights, mask=keep)
-    tl.store(experts_ptr + at, chosen_experts, mask=keep)
-
-
-@triton_jit
-def top_experts(
-    logits_ptr,
-    tokens,
-    token_ok,
-    stride_logits,
-    NUM_EXPERTS: tl.constexpr,
-    TOP_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    TOKEN_CHUNK: tl.constexpr,
-):
-    """``[TOKEN_CHUNK, BLOCK_K]`` weights and experts of ``tokens``, the likeliest first:
-    the experts fit one tile a token, and top-k is k rounds of arg-max."""
+    """Route tokens ``t0 .. t0 + TOKEN_CHUNK``: the experts fit one tile a token, and top-k
+    is k rounds of arg-max."""
     expert_ids = tl.arange(0, BLOCK_E)
     slots = tl.arange(0, BLOCK_K)
+    tokens = t0 + tl.arange(0, TOKEN_CHUNK)
+    token_ok = tokens < num_tokens
     logits = tl.load(
         logits_ptr + tokens.to(tl.int64)[:, None] * stride_logits + expert_ids[None, :],
         mask=token_ok[:, None] & (expert_ids[None, :] < NUM_EXPERTS),
@@ -127,7 +94,10 @@ def top_experts(
     if RENORMALIZE:
         total = tl.maximum(tl.sum(chosen_weights, axis=1), 1e-30)  # 0 for NaN rows
         chosen_weights = chosen_weights / total[:, None]
-    return chosen_weights, chosen_experts
+    at = tokens[:, None] * TOP_K + slots[None, :]
+    keep = token_ok[:, None] & (slots[None, :] < TOP_K)
+    tl.store(weights_ptr + at, chosen_weights, mask=keep)
+    tl.store(experts_ptr + at, chosen_experts, mask=keep)
 
 
 @triton_jit(do_not_specialize=("num_tokens",))

@@ -110,7 +110,6 @@ LAUNCHING_KERNELS = (
     "moe_route",
     "moe_group",
     "moe_grouped_gemm",
-    "moe_gemv",
     "moe_sum_add_norm",
 )
 DEFAULT_LATE_LAUNCH = frozenset({"rows_gemv_add"})

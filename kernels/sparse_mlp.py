@@ -1,19 +1,12 @@
 """The whole sparse MLP of a mixture-of-experts layer: routing (kernels/moe_routing.py), the
-experts, and the sum over each token's experts ending in the residual add and RMSNorm that
-follow.
-
-The experts run one of two ways:
-- up to ``moe_gemv.gemv_max_tokens()`` tokens (decode at small batches), as GEMVs
-  (kernels/moe_gemv.py): gate/up with the routing, and down ending in the sum and the add,
-  two kernels after the router;
-- above, as grouped GEMMs over the pairs grouped by expert (kernels/fused_moe.py), then the
-  sum kernel (kernels/moe_sum.py).
+experts' grouped GEMMs (kernels/fused_moe.py), and the sum over each token's experts ending
+in the residual add and RMSNorm that follow (kernels/moe_sum.py).
 
 At decode rows it takes and gives a ``PendingNorm`` (kernels/pending_norm.py), as the dense
-layers' projections do: the router and the first GEMV or GEMM apply the input's norm as they
-read it, and the output's norm is left to the next layer's qkv projection. That is two norm
-kernels a layer fewer than materializing the norm before the router and normalizing whole
-rows after the sum.
+layers' projections do: the router and the first grouped GEMM apply the input's norm as
+they read it, and the output's norm is left to the next layer's qkv projection. That is two
+norm kernels a layer fewer than materializing the norm before the router and normalizing
+whole rows after the sum.
 """
 
 from __future__ import annotations
@@ -22,7 +15,6 @@ import torch
 
 from kernels.backend import load_triton, use_triton
 from kernels.fused_moe import experts_per_pair, fused_moe_ref, moe_tiles
-from kernels.moe_gemv import gemv_max_tokens, moe_gemv_routed_triton
 from kernels.moe_routing import moe_route_and_group_triton, moe_route_ref
 from kernels.moe_sum import moe_sum_add_pending_norm_triton, moe_sum_add_rms_norm_triton
 from kernels.pending_norm import PendingNorm, as_tensor
@@ -38,14 +30,9 @@ def moe_mlp(
     renormalize: bool,
 ) -> torch.Tensor:
     """Route ``x [T, H]`` by ``router_logits [T, E]`` and run it through its experts."""
-    _check_top_k(router_logits, top_k)
     if not use_triton(router_logits):
         weights, experts = moe_route_ref(router_logits, top_k, renormalize)
         return fused_moe_ref(as_tensor(x), w13, w2, weights, experts)
-    if _takes_gemv(router_logits):
-        summed = moe_gemv_routed_triton(x, router_logits, w13, w2, top_k, renormalize)
-        assert isinstance(summed, torch.Tensor)
-        return summed.to(w13.dtype)
     per_pair = _routed_per_pair(x, router_logits, w13, w2, top_k, renormalize)
     return per_pair.sum(dim=1).to(w13.dtype)
 
@@ -62,38 +49,15 @@ def moe_mlp_add_rms_norm(
     eps: float,
 ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
     """``moe_mlp`` then ``fused_add_rms_norm``; on a GPU the experts' sum ends in the add
-    and the norm, and at decode rows the norm is left pending (see above)."""
-    _check_top_k(router_logits, top_k)
+    and the norm, one kernel, and at decode rows the norm is left pending (see above)."""
     if not use_triton(router_logits):
         out = moe_mlp(x, router_logits, w13, w2, top_k, renormalize)
         return fused_add_rms_norm_ref(out, residual, norm_weight, eps)
-    pending = _leaves_norm_pending(router_logits.shape[0], residual)
-    if _takes_gemv(router_logits):
-        route = (x, router_logits, w13, w2, top_k, renormalize)
-        if pending:
-            normed = moe_gemv_routed_triton(*route, residual, norm_weight, eps)
-            assert isinstance(normed, PendingNorm)
-            return normed, normed.hidden
-        summed = moe_gemv_routed_triton(*route)
-        assert isinstance(summed, torch.Tensor)
-        return moe_sum_add_rms_norm_triton(summed.unsqueeze(1), residual, norm_weight, eps)
     per_pair = _routed_per_pair(x, router_logits, w13, w2, top_k, renormalize)
-    if pending:
+    if _leaves_norm_pending(per_pair.shape[0], residual):
         normed = moe_sum_add_pending_norm_triton(per_pair, residual, norm_weight, eps)
         return normed, normed.hidden
     return moe_sum_add_rms_norm_triton(per_pair, residual, norm_weight, eps)
-
-
-def _check_top_k(router_logits: torch.Tensor, top_k: int) -> None:
-    if top_k > router_logits.shape[-1]:
-        raise ValueError(f"top_k {top_k} exceeds the {router_logits.shape[-1]} experts")
-
-
-def _takes_gemv(router_logits: torch.Tensor) -> bool:
-    if 0 < router_logits.shape[0] <= gemv_max_tokens():
-        load_triton()
-        return True
-    return False
 
 
 def _leaves_norm_pending(num_tokens: int, residual: torch.Tensor) -> bool:
@@ -115,6 +79,8 @@ def _routed_per_pair(
     top_k: int,
     renormalize: bool,
 ) -> torch.Tensor:
+    if top_k > router_logits.shape[-1]:
+        raise ValueError(f"top_k {top_k} exceeds the {router_logits.shape[-1]} experts")
     normed = x if isinstance(x, PendingNorm) else None
     if normed is not None:
         x = normed.weighted

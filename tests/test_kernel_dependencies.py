@@ -115,23 +115,6 @@ compiles(moe_sum._sum_add_square_kernel, {"per_pair_ptr": "*fp32", "residual_ptr
          "weight_ptr": "*bf16", "new_residual_ptr": "*bf16", "weighted_ptr": "*bf16",
          "square_sums_ptr": "*fp32", "num_tokens": i32, "hidden": i32},
          dict(TOP_K=8, BLOCK=256, **pdl))
-import kernels.moe_gemv as moe_gemv
-for in_groups, route in ((0, False), (64, True)):
-    compiles(moe_gemv._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
-             "experts_ptr": "*i32", "weights_ptr": "*fp32", "logits_ptr": "*bf16",
-             "in_sums_ptr": "*fp32", "K": i32, "inter": i32, "stride_x": i32, "stride_we": i32,
-             "stride_wn": i32, "stride_logits": i32, "num_in_groups": i32, "eps": "fp32"},
-             dict(TOP_K=8, BLOCK_TOP_K=8, NUM_EXPERTS=128, BLOCK_E=128, ROUTE=route,
-             RENORMALIZE=True, IN_GROUPS=in_groups, BLOCK_N=2, BLOCK_K=512, LOOP_STAGES=1,
-             W_EVICT="evict_first", **pdl))
-for add_norm in (False, True):
-    compiles(moe_gemv._down_kernel, {"act_ptr": "*bf16", "w_ptr": "*bf16", "experts_ptr": "*i32",
-             "weights_ptr": "*fp32", "out_ptr": "*bf16" if add_norm else "*fp32",
-             "residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "weighted_ptr": "*bf16",
-             "tile_sums_ptr": "*fp32", "out_sums_ptr": "*fp32", "counters_ptr": "*i32", "H": i32,
-             "inter": i32, "stride_we": i32, "stride_wn": i32}, dict(TOP_K=8, BLOCK_TOP_K=8,
-             NUM_EXPERTS=128, ROUTED_JUST_BEFORE=add_norm, ADD_NORM=add_norm, GROUP_TILES=32, BLOCK_N=2, BLOCK_K=256,
-             LOOP_STAGES=1, W_EVICT="evict_first", **pdl))
 
 rows = []
 for dtype, size in (("bf16", 2), ("fp32", 4)):

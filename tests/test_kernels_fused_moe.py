@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_kernels_moe_gemv import pending_input
 from triton_test_util import (
     CUDA,
     DEVICE,
@@ -45,7 +44,7 @@ from kernels.moe_sum import (
     moe_sum_add_rms_norm_triton,
 )
 from kernels.pending_norm import PendingNorm
-from kernels.rmsnorm import fused_add_rms_norm_ref
+from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.sparse_mlp import moe_mlp, moe_mlp_add_rms_norm
 
 # (tokens, experts, top_k): one decode row, a few rows, rows sharing few experts, more
@@ -231,11 +230,20 @@ def test_sum_add_pending_norm_matches_reference(tokens, top_k, hidden, dtype):
     check(pending.materialize(), want_normed, f"normed {what}")
 
 
+def pending_input(tokens: int, hidden: int, dtype: torch.dtype, offset: int):
+    """A PendingNorm as the o projection leaves it, and the norm it stands for (float32)."""
+    g = gen(offset)
+    per_pair = randn(tokens, 1, hidden, g=g, dtype=torch.float32)
+    residual = randn(tokens, hidden, g=g, dtype=dtype)
+    weight = randn(hidden, g=g, dtype=dtype, scale=0.2) + 1.0
+    pending = moe_sum_add_pending_norm_triton(per_pair, residual, weight, 1e-6)
+    return pending, rms_norm_ref(pending.hidden.float(), weight.float(), 1e-6)
+
+
 @requires_triton
 @pytest.mark.parametrize("dtype", PENDING_DTYPES)
-@pytest.mark.parametrize("gemv_tokens", ["0", "4"])
 @pytest.mark.parametrize("tokens", [1, 5] + ([64] if CUDA else []))
-def test_sparse_mlp_takes_and_leaves_a_pending_norm(tokens, dtype, gemv_tokens, monkeypatch):
+def test_sparse_mlp_takes_and_leaves_a_pending_norm(tokens, dtype, monkeypatch):
     """A pending input norm is applied by the first grouped GEMM; at decode rows the output
     norm is left pending, and it stands for the reference's."""
     import kernels.sparse_mlp as sparse_mlp
@@ -255,7 +263,6 @@ def test_sparse_mlp_takes_and_leaves_a_pending_norm(tokens, dtype, gemv_tokens, 
         want.to(dtype), residual.cpu(), weight.cpu(), 1e-6
     )
     monkeypatch.setattr(sparse_mlp, "use_triton", lambda t: True)
-    monkeypatch.setenv("PEGAINFER_MOE_GEMV_TOKENS", gemv_tokens)
     with poisoned():
         out = moe_mlp(pending, logits, w13, w2, top_k, True)
         got_normed, new_residual = moe_mlp_add_rms_norm(
@@ -288,8 +295,7 @@ def test_rows_past_the_fused_limit_get_the_norm_applied(monkeypatch):
         residual = randn(tokens, hidden, g=g, dtype=torch.float16)
         return moe_mlp_add_rms_norm(x, logits, w13, w2, top_k, True, residual, weight, 1e-6)[0]
 
-    assert isinstance(normed_output(2), PendingNorm)  # the down GEMV ends in the add
-    assert isinstance(normed_output(6), PendingNorm)  # the sum kernel, in slices
+    assert isinstance(normed_output(2), PendingNorm)  # the sum kernel, in slices
     assert isinstance(normed_output(65), torch.Tensor)
     monkeypatch.setenv("PEGAINFER_NORM_FUSION", "0")
     for tokens in (2, 6):
@@ -309,9 +315,8 @@ def test_rows_past_the_fused_limit_get_the_norm_applied(monkeypatch):
 
 
 @requires_triton
-@pytest.mark.parametrize("gemv_tokens", ["0", "4"])
 @pytest.mark.parametrize("tokens", [1, 3, FUSED_ROUTING_MAX_TOKENS + 1])
-def test_whole_sparse_mlp_matches_reference(tokens, gemv_tokens, monkeypatch):
+def test_whole_sparse_mlp_matches_reference(tokens, monkeypatch):
     """Routing, grouping, both GEMMs and the sum with its add and norm, as the layer calls
     them, against the references (float32)."""
     import kernels.sparse_mlp as sparse_mlp
@@ -328,7 +333,6 @@ def test_whole_sparse_mlp_matches_reference(tokens, gemv_tokens, monkeypatch):
     want = fused_moe_ref(x.cpu(), w13.cpu(), w2.cpu(), weights, chosen)
     want_normed, want_residual = fused_add_rms_norm_ref(want, residual.cpu(), weight.cpu(), 1e-6)
     monkeypatch.setattr(sparse_mlp, "use_triton", lambda t: True)
-    monkeypatch.setenv("PEGAINFER_MOE_GEMV_TOKENS", gemv_tokens)  # 1-4 tokens as GEMVs, or not
     with poisoned():
         out = moe_mlp(x, logits, w13, w2, top_k, True)
         normed, new_residual = moe_mlp_add_rms_norm(
@@ -468,3 +472,33 @@ def test_moe_in_a_cuda_graph_equals_eager(tokens, path):
     torch.cuda.synchronize()
     for got, want in zip(captured, eager):
         assert torch.equal(got, want), f"{path} at {tokens} tokens (seed {SEED})"
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the golden tests run these kernels in the model")
+def test_tiny_qwen3_moe_runs_the_same_on_triton_kernels(tmp_path, monkeypatch):
+    """The sparse MLP's kernels in the real model (decode steps of one and two sequences,
+    prefill chunks), against the references: the same greedy tokens."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from worker_helpers import MiniScheduler, engine_config, make_tiny_checkpoint
+
+    import kernels.sparse_mlp as sparse_mlp
+    from pegainfer.protocol import SamplingParams
+    from worker_proc.model_runner import ModelRunner
+
+    runner = ModelRunner(engine_config(make_tiny_checkpoint(str(tmp_path), "qwen3_moe", seed=2)))
+
+    def generate() -> dict[int, list[int]]:
+        scheduler = MiniScheduler(runner, chunk=5, token_budget=8, seed=3)
+        for seq_id, tokens in enumerate([list(range(40, 49)), [77, 3]]):
+            scheduler.add(seq_id, tokens, 4, SamplingParams(temperature=0.0))
+        outputs = scheduler.run()
+        scheduler.flush()
+        return outputs
+
+    expected = generate()
+    monkeypatch.setattr(sparse_mlp, "use_triton", lambda tensor: True)
+    assert generate() == expected, f"seed {SEED}"

@@ -239,10 +239,10 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
 def moe_cases(
     device: torch.device, quick: bool
 ) -> list[tuple[str, Callable, Callable, int, float]]:
-    """Qwen3-30B-A3B's experts (128 of 2048 x 768, 8 a token): routing, the two grouped
-    GEMMs with their grouping, and at a few tokens the GEMVs, timed as graph replays. The
-    bytes are the experts the tokens touch, read once (the GEMVs': once a pair)."""
-    from kernels import moe_gemv, moe_routing
+    """Qwen3-30B-A3B's experts (128 of 2048 x 768, 8 a token): routing, and the two grouped
+    GEMMs with their grouping, timed as graph replays. The bytes are the experts the tokens
+    touch, read once."""
+    from kernels import moe_routing
     from kernels.fused_moe import fused_moe_ref, fused_moe_triton
 
     hidden, inter, num_experts, top_k = 2048, 768, 128, 8
@@ -284,16 +284,6 @@ def moe_cases(
                 2.0 * tokens * top_k * 3 * hidden * inter,
             )
         )
-        if tokens <= moe_gemv.GEMV_MAX_TOKENS:
-            rows.append(
-                (
-                    f"moe_gemv T={tokens} ({touched} experts)",
-                    graphed(lambda a=args: moe_gemv.moe_gemv_triton(*a)),
-                    graphed(lambda a=args: moe_gemv.moe_gemv_ref(*a)),
-                    tokens * top_k * 3 * hidden * inter * ELEM + 2 * x.numel() * ELEM,
-                    2.0 * tokens * top_k * 3 * hidden * inter,
-                )
-            )
     return rows
 
 

@@ -37,7 +37,7 @@ from tools.bench_model import ModelShape, Roofline
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # A mixture of experts' layer: the router is its third projection; the experts run grouped.
 MOE_PROJECTIONS = ("qkv", "o", "router")
-EXPERTS = "experts (grouped GEMMs or GEMVs)"
+EXPERTS = "experts (grouped GEMMs)"
 LM_HEAD = "lm_head"
 GEMM = "gemm"
 # Substrings (lower case) of cuBLAS/CUTLASS kernel names and of the Triton linear kernels.
@@ -74,9 +74,6 @@ class Kernel:
 
 _MOE_PARTS = (
     ("_grouped_gemm_kernel", EXPERTS),
-    # The GEMVs' down kernel ends in the sum over experts and the residual add.
-    ("_gate_up_kernel", EXPERTS),
-    ("_down_kernel", EXPERTS),
     ("_route_kernel", "moe routing + grouping"),
     ("_group_kernel", "moe routing + grouping"),
     ("_count_kernel", "moe routing + grouping"),
