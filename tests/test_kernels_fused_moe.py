@@ -39,6 +39,7 @@ from kernels.moe_routing import (
     moe_route_triton,
 )
 from kernels.moe_sum import (
+    SLICE_FEATURES,
     moe_sum_add_pending_norm_triton,
     moe_sum_add_rms_norm_ref,
     moe_sum_add_rms_norm_triton,
@@ -226,7 +227,7 @@ def test_sum_add_pending_norm_matches_reference(tokens, top_k, hidden, dtype):
     check(pending.weighted, (stream * weight.float()).to(dtype), f"weighted {what}")
     squares = pending.square_sums.sum(dim=1)
     torch.testing.assert_close(squares, (stream * stream).sum(dim=1), rtol=1e-5, atol=1e-5)
-    assert pending.num_groups == -(-hidden // 256)
+    assert pending.num_groups == -(-hidden // SLICE_FEATURES)
     check(pending.materialize(), want_normed, f"normed {what}")
 
 
