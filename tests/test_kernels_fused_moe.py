@@ -484,22 +484,13 @@ def test_tiny_qwen3_moe_runs_the_same_on_triton_kernels(tmp_path, monkeypatch):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from worker_helpers import MiniScheduler, engine_config, make_tiny_checkpoint
+    from worker_helpers import engine_config, make_tiny_checkpoint, mixed_greedy_tokens
 
     import kernels.sparse_mlp as sparse_mlp
-    from pegainfer.protocol import SamplingParams
     from worker_proc.model_runner import ModelRunner
 
     runner = ModelRunner(engine_config(make_tiny_checkpoint(str(tmp_path), "qwen3_moe", seed=2)))
 
-    def generate() -> dict[int, list[int]]:
-        scheduler = MiniScheduler(runner, chunk=5, token_budget=8, seed=3)
-        for seq_id, tokens in enumerate([list(range(40, 49)), [77, 3]]):
-            scheduler.add(seq_id, tokens, 4, SamplingParams(temperature=0.0))
-        outputs = scheduler.run()
-        scheduler.flush()
-        return outputs
-
-    expected = generate()
+    expected = mixed_greedy_tokens(runner)
     monkeypatch.setattr(sparse_mlp, "use_triton", lambda tensor: True)
-    assert generate() == expected, f"seed {SEED}"
+    assert mixed_greedy_tokens(runner) == expected, f"seed {SEED}"

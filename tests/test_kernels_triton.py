@@ -310,9 +310,8 @@ def test_tiny_qwen3_runs_the_same_on_triton_kernels(tmp_path):
     with decodes, decode-only steps) through the dispatchers, Triton against references."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from worker_helpers import MiniScheduler, engine_config, make_tiny_checkpoint
+    from worker_helpers import engine_config, make_tiny_checkpoint, mixed_greedy_tokens
 
-    from pegainfer.protocol import SamplingParams
     from worker_proc.model_runner import ModelRunner
 
     runner = ModelRunner(engine_config(make_tiny_checkpoint(str(tmp_path), "qwen3", seed=1)))
@@ -323,18 +322,10 @@ def test_tiny_qwen3_runs_the_same_on_triton_kernels(tmp_path):
         logits = runner.prefill_logits(prompt)
     assert rel_err(logits, expected) < 1e-5, f"seed {SEED}"
 
-    def generate() -> dict[int, list[int]]:
-        scheduler = MiniScheduler(runner, chunk=5, token_budget=8, seed=3)
-        for seq_id, tokens in enumerate([list(range(40, 49)), [77, 3]]):
-            scheduler.add(seq_id, tokens, 4, SamplingParams(temperature=0.0))
-        outputs = scheduler.run()
-        scheduler.flush()
-        return outputs
-
     with kernels_forced(False):
-        expected_tokens = generate()
+        expected_tokens = mixed_greedy_tokens(runner)
     with kernels_forced(True):
-        assert generate() == expected_tokens
+        assert mixed_greedy_tokens(runner) == expected_tokens
 
 
 # --------------------------------------------------------------------------- dispatch

@@ -276,3 +276,14 @@ def greedy_reference(runner, prompt: list[int], count: int) -> list[int]:
     for _ in range(count):
         tokens.append(runner.prefill_logits(tokens)[-1].argmax().item())
     return tokens[len(prompt) :]
+
+
+def mixed_greedy_tokens(runner) -> dict[int, list[int]]:
+    """Greedy tokens of two sequences, one prefilled in chunks beside the other's decodes and
+    then decode-only steps: the step shapes a model's kernels see in serving."""
+    scheduler = MiniScheduler(runner, chunk=5, token_budget=8, seed=3)
+    for seq_id, tokens in enumerate([list(range(40, 49)), [77, 3]]):
+        scheduler.add(seq_id, tokens, 4, SamplingParams(temperature=0.0))
+    outputs = scheduler.run()
+    scheduler.flush()
+    return outputs
