@@ -239,9 +239,9 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
 def moe_cases(
     device: torch.device, quick: bool
 ) -> list[tuple[str, Callable, Callable, int, float]]:
-    """Qwen3-30B-A3B's experts (128 of 2048 x 768, 8 a token): routing, and the two grouped
-    GEMMs with their grouping, timed as graph replays. The bytes are the experts the tokens
-    touch, read once."""
+    """Qwen3-30B-A3B's experts (128 of 2048 x 768, 8 a token): routing, the two grouped
+    GEMMs with their grouping, and the whole sparse MLP, timed as graph replays. The bytes
+    are the experts the tokens touch, read once."""
     from kernels import moe_routing
     from kernels.fused_moe import fused_moe_ref, fused_moe_triton
 
@@ -282,6 +282,59 @@ def moe_cases(
                 graphed(lambda a=args: fused_moe_ref(*a)),
                 touched * 3 * hidden * inter * ELEM + 2 * x.numel() * ELEM,
                 2.0 * tokens * top_k * 3 * hidden * inter,
+            )
+        )
+    return rows + sparse_mlp_cases(device, w13, w2, top_k, [1, 8] if quick else [1, 2, 4, 8, 32])
+
+
+# Calls of the whole sparse MLP in one timed graph, each routed differently, so that each
+# reads experts the one before did not leave in L2, as the layers of a decode step do.
+SPARSE_MLP_CALLS = 16
+
+
+def sparse_mlp_cases(
+    device: torch.device, w13: torch.Tensor, w2: torch.Tensor, top_k: int, token_counts: list[int]
+) -> list[tuple[str, Callable, Callable, int, float]]:
+    """The whole sparse MLP as a decode step runs it (routing, grouping, both grouped GEMMs,
+    the sum ending in the residual add and the norm), ``SPARSE_MLP_CALLS`` calls a graph
+    replay: the times are of all the calls, the bytes the experts each call touches."""
+    from kernels import moe_routing
+    from kernels.fused_moe import fused_moe_ref
+    from kernels.rmsnorm import fused_add_rms_norm_ref
+    from kernels.sparse_mlp import moe_mlp_add_rms_norm
+
+    num_experts, double_inter, hidden = w13.shape
+    expert_bytes = 3 * hidden * (double_inter // 2) * ELEM
+    norm_weight = torch.ones(hidden, dtype=DTYPE, device=device)
+    rows: list[tuple[str, Callable, Callable, int, float]] = []
+    for tokens in token_counts:
+        calls = []
+        touched = 0
+        for _ in range(SPARSE_MLP_CALLS):
+            logits = torch.randn(tokens, num_experts, dtype=DTYPE, device=device)
+            x = torch.randn(tokens, hidden, dtype=DTYPE, device=device)
+            residual = torch.randn(tokens, hidden, dtype=DTYPE, device=device)
+            experts = moe_routing.moe_route_ref(logits, top_k, True)[1]
+            touched += int(torch.unique(experts).numel())
+            calls.append((x, logits, residual))
+
+        def run_triton(calls=calls) -> None:
+            for x, logits, residual in calls:
+                moe_mlp_add_rms_norm(x, logits, w13, w2, top_k, True, residual, norm_weight, 1e-6)
+
+        def run_ref(calls=calls) -> None:
+            for x, logits, residual in calls:
+                weights, experts = moe_routing.moe_route_ref(logits, top_k, True)
+                out = fused_moe_ref(x, w13, w2, weights, experts)
+                fused_add_rms_norm_ref(out, residual, norm_weight, 1e-6)
+
+        rows.append(
+            (
+                f"moe sparse MLP x{SPARSE_MLP_CALLS} T={tokens}",
+                graphed(run_triton),
+                graphed(run_ref),
+                touched * expert_bytes,
+                2.0 * SPARSE_MLP_CALLS * tokens * top_k * expert_bytes / ELEM,
             )
         )
     return rows
