@@ -18,7 +18,7 @@ histogram per program, added into the experts' counts), runs (one program: the p
 each expert's first row, the block owners) and placement (each pair takes the next row of its
 expert's run by an atomic). Which of an expert's rows a pair gets depends on the order the
 atomics land in, not what is computed for it: each row of the grouped GEMMs is its pair's own.
-kernels/moe_routing.py does all of it in one program for the few pairs of a decode step.
+kernels/moe_route_group.py does all of it in one program for the few pairs of a decode step.
 """
 
 from __future__ import annotations

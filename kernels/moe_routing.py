@@ -5,31 +5,19 @@ Routing is a softmax over the router's logits, the ``top_k`` largest probabiliti
 synchronisation and with shapes fixed by the token count alone, so a decode step keeps it
 inside its CUDA graph.
 
-Up to ``FUSED_ROUTING_MAX_TOKENS`` tokens (decode batches) one single-program kernel routes
-the tokens and groups their pairs by expert (kernels/moe_grouping.py), so that a step of a
-sparse layer launches one kernel for both; above, the routing kernel (a program to 16
-tokens) and the grouping's own kernels run. Both route through ``route_tokens``.
+A sparse layer's step routes and groups its pairs in one kernel at decode batches
+(kernels/moe_route_group.py); above, the routing kernel here (a program to 16 tokens) and the
+grouping's own kernels run. All route through ``route_rows``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import moe_grouping, pdl
+from kernels import pdl
 from kernels.backend import cdiv, load_triton, next_power_of_2, triton_jit, use_pdl, use_triton
-from kernels.moe_grouping import (
-    PAIR_CHUNK,
-    MoeGroups,
-    block_chunk,
-    group_buffers,
-    moe_group_ref,
-    moe_group_triton,
-)
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
-
-
-FUSED_ROUTING_MAX_TOKENS = 64
 
 
 # --- routing -------------------------------------------------------------------------
@@ -48,6 +36,54 @@ def moe_route_ref(
 
 
 @triton_jit
+def route_rows(
+    logits_ptr,
+    tokens,
+    token_ok,
+    stride_logits,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """The ``[BLOCK_T, BLOCK_K]`` weights and experts of ``tokens``, in registers: the
+    experts fit one tile a token, and top-k is k rounds of one arg-max each."""
+    expert_ids = tl.arange(0, BLOCK_E)
+    slots = tl.arange(0, BLOCK_K)
+    logits = tl.load(
+        logits_ptr + tokens.to(tl.int64)[:, None] * stride_logits + expert_ids[None, :],
+        mask=token_ok[:, None] & (expert_ids[None, :] < NUM_EXPERTS),
+        other=float("-inf"),
+    ).to(tl.float32)
+    # Rows past the last token route something harmless, never stored.
+    logits = tl.where(token_ok[:, None], logits, 0.0)
+    exps = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = exps / tl.sum(exps, axis=1)[:, None]
+    # A row of NaN (a padding row of a graph, say) would match no expert: it gets the first
+    # ones at weight 0 instead, so every expert id stays in range.
+    probs = tl.where(probs == probs, probs, 0.0)
+    # One key a candidate: a probability's bits (never negative, so they order as it does)
+    # above the expert's distance from the last, so that the largest key is the likeliest
+    # expert and, among equal probabilities, the lowest, as a stable top-k picks.
+    keys = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - expert_ids)
+    keys = tl.where(expert_ids[None, :] < NUM_EXPERTS, keys, -1)
+    chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=1)
+        chosen = tl.where(slots[None, :] == j, best[:, None], chosen)
+        keys = tl.where(keys == best[:, None], -1, keys)
+    chosen_experts = BLOCK_E - 1 - (chosen & 0xFFFFFFFF).to(tl.int32)
+    chosen_weights = (chosen >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    if RENORMALIZE:
+        # Slots past TOP_K hold 0.
+        total = tl.maximum(tl.sum(chosen_weights, axis=1), 1e-30)  # 0 for NaN rows
+        chosen_weights = chosen_weights / total[:, None]
+    return chosen_weights, chosen_experts
+
+
+@triton_jit
 def route_tokens(
     logits_ptr,
     weights_ptr,
@@ -62,38 +98,22 @@ def route_tokens(
     RENORMALIZE: tl.constexpr,
     TOKEN_CHUNK: tl.constexpr,
 ):
-    """Route tokens ``t0 .. t0 + TOKEN_CHUNK``: the experts fit one tile a token, and top-k
-    is k rounds of arg-max."""
-    expert_ids = tl.arange(0, BLOCK_E)
+    """Route tokens ``t0 .. t0 + TOKEN_CHUNK`` and store their weights and experts."""
     slots = tl.arange(0, BLOCK_K)
     tokens = t0 + tl.arange(0, TOKEN_CHUNK)
     token_ok = tokens < num_tokens
-    logits = tl.load(
-        logits_ptr + tokens.to(tl.int64)[:, None] * stride_logits + expert_ids[None, :],
-        mask=token_ok[:, None] & (expert_ids[None, :] < NUM_EXPERTS),
-        other=float("-inf"),
-    ).to(tl.float32)
-    # Rows past the last token route something harmless, never stored.
-    logits = tl.where(token_ok[:, None], logits, 0.0)
-    exps = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    probs = exps / tl.sum(exps, axis=1)[:, None]
-    # A row of NaN (a padding row of a graph, say) would match no expert: it gets the first
-    # ones at weight 0 instead, so every expert id stays in range.
-    probs = tl.where(probs == probs, probs, 0.0)
-    remaining = tl.where(expert_ids[None, :] < NUM_EXPERTS, probs, -1.0)
-    chosen_weights = tl.zeros([TOKEN_CHUNK, BLOCK_K], dtype=tl.float32)
-    chosen_experts = tl.zeros([TOKEN_CHUNK, BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=1)
-        # The lowest index among equal probabilities, as a stable top-k picks.
-        is_best = remaining == best[:, None]
-        index = tl.min(tl.where(is_best, expert_ids[None, :], BLOCK_E), axis=1)
-        chosen_weights = tl.where(slots[None, :] == j, best[:, None], chosen_weights)
-        chosen_experts = tl.where(slots[None, :] == j, index[:, None], chosen_experts)
-        remaining = tl.where(expert_ids[None, :] == index[:, None], -2.0, remaining)
-    if RENORMALIZE:
-        total = tl.maximum(tl.sum(chosen_weights, axis=1), 1e-30)  # 0 for NaN rows
-        chosen_weights = chosen_weights / total[:, None]
+    chosen_weights, chosen_experts = route_rows(
+        logits_ptr,
+        tokens,
+        token_ok,
+        stride_logits,
+        NUM_EXPERTS,
+        TOP_K,
+        BLOCK_E,
+        BLOCK_K,
+        RENORMALIZE,
+        TOKEN_CHUNK,
+    )
     at = tokens[:, None] * TOP_K + slots[None, :]
     keep = token_ok[:, None] & (slots[None, :] < TOP_K)
     tl.store(weights_ptr + at, chosen_weights, mask=keep)
@@ -180,135 +200,3 @@ def moe_route(
     if use_triton(router_logits):
         return moe_route_triton(router_logits, top_k, renormalize)
     return moe_route_ref(router_logits, top_k, renormalize)
-
-
-# --- routing and grouping in one program ------------------------------------------------
-
-
-@triton_jit(do_not_specialize=("num_tokens", "max_padded"))
-def _route_group_kernel(
-    logits_ptr,
-    weights_ptr,
-    experts_ptr,
-    sorted_pairs_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
-    cursor_ptr,
-    num_tokens,
-    max_padded,
-    stride_logits,
-    TOP_K: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    TOKEN_CHUNK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    CHUNK: tl.constexpr,
-    CHUNK_PAIRS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    LAUNCH_SUCCESSOR: tl.constexpr,
-):
-    # ``_route_kernel``'s work for every token, TOKEN_CHUNK rows at a time, then the three
-    # grouping kernels' work, each phase after a barrier: a later one reads what threads of
-    # the one before wrote.
-    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
-    for t0 in range(0, num_tokens, TOKEN_CHUNK):
-        route_tokens(
-            logits_ptr,
-            weights_ptr,
-            experts_ptr,
-            t0,
-            num_tokens,
-            stride_logits,
-            NUM_EXPERTS,
-            TOP_K,
-            BLOCK_E,
-            BLOCK_K,
-            RENORMALIZE,
-            TOKEN_CHUNK,
-        )
-    tl.debug_barrier()
-
-    num_pairs = num_tokens * TOP_K
-    pair_lanes = tl.arange(0, CHUNK_PAIRS)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK_PAIRS):
-        in_range = start + pair_lanes < num_pairs
-        ids = moe_grouping.load_experts(experts_ptr, start + pair_lanes, in_range, NUM_EXPERTS)
-        counts += moe_grouping.count_experts(ids, in_range, BLOCK_E)
-    # Helpers by module attribute: Triton resolves those to the compiled functions.
-    moe_grouping.write_runs(
-        counts,
-        cursor_ptr,
-        block_expert_ptr,
-        num_padded_ptr,
-        max_padded,
-        BLOCK_M,
-        NUM_EXPERTS,
-        BLOCK_E,
-        CHUNK,
-    )
-    for start in range(0, max_padded, CHUNK_PAIRS):
-        rows = start + pair_lanes
-        tl.store(sorted_pairs_ptr + rows, num_pairs + 0 * rows, mask=rows < max_padded)
-    tl.debug_barrier()
-
-    for start in range(0, num_pairs, CHUNK_PAIRS):
-        pairs = start + pair_lanes
-        moe_grouping.place_pairs(
-            experts_ptr, cursor_ptr, sorted_pairs_ptr, pairs, pairs < num_pairs, NUM_EXPERTS
-        )
-
-
-def moe_route_and_group_ref(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, MoeGroups]:
-    weights, experts = moe_route_ref(router_logits, top_k, renormalize)
-    return weights, experts, moe_group_ref(experts, router_logits.shape[1], block_m)
-
-
-def moe_route_and_group_triton(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, MoeGroups]:
-    """``moe_route`` then ``moe_group``: in one kernel up to ``FUSED_ROUTING_MAX_TOKENS``
-    tokens, in the routing kernel and the grouping's above."""
-    num_tokens, num_experts = router_logits.shape
-    if num_tokens > FUSED_ROUTING_MAX_TOKENS:
-        weights, experts = moe_route_triton(router_logits, top_k, renormalize)
-        return weights, experts, moe_group_triton(experts, num_experts, block_m)
-    device = router_logits.device
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
-    experts = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
-    sorted_pairs, block_expert, num_padded, cursor = group_buffers(
-        num_tokens * top_k, num_experts, block_m, device
-    )
-    load_triton()
-    block_e = next_power_of_2(num_experts)
-    with_pdl = use_pdl(router_logits)
-    _route_group_kernel[(1,)](
-        router_logits,
-        weights,
-        experts,
-        sorted_pairs,
-        block_expert,
-        num_padded,
-        cursor,
-        num_tokens,
-        sorted_pairs.numel(),
-        router_logits.stride(0),
-        TOP_K=top_k,
-        BLOCK_K=next_power_of_2(top_k),
-        RENORMALIZE=renormalize,
-        TOKEN_CHUNK=token_chunk(num_tokens, block_e),
-        BLOCK_M=block_m,
-        NUM_EXPERTS=num_experts,
-        BLOCK_E=block_e,
-        CHUNK=block_chunk(block_e),
-        CHUNK_PAIRS=PAIR_CHUNK,
-        USE_PDL=with_pdl,
-        LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "moe_group"),
-        num_warps=4,
-        **pdl.launch_options(with_pdl),
-    )
-    return weights, experts, MoeGroups(sorted_pairs, block_expert, num_padded, block_m)

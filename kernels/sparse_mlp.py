@@ -1,4 +1,4 @@
-"""The whole sparse MLP of a mixture-of-experts layer: routing (kernels/moe_routing.py), the
+"""The whole sparse MLP of a mixture-of-experts layer: routing (kernels/moe_route_group.py), the
 experts' grouped GEMMs (kernels/fused_moe.py), and the sum over each token's experts ending
 in the residual add and RMSNorm that follow (kernels/moe_sum.py).
 
@@ -15,7 +15,8 @@ import torch
 
 from kernels.backend import load_triton, use_triton
 from kernels.fused_moe import experts_per_pair, fused_moe_ref, moe_tiles
-from kernels.moe_routing import moe_route_and_group_triton, moe_route_ref
+from kernels.moe_route_group import moe_route_and_group_triton
+from kernels.moe_routing import moe_route_ref
 from kernels.moe_sum import moe_sum_add_pending_norm_triton, moe_sum_add_rms_norm_triton
 from kernels.pending_norm import PendingNorm, as_tensor
 from kernels.rmsnorm import fused_add_rms_norm_ref

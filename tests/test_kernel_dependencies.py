@@ -81,11 +81,13 @@ def shared(dtype, tiles, gated, norm_groups=0):
                             options={"num_warps": warps, "num_stages": 3})
     return kernel.metadata.shared
 
-def compiles(fn, sig, consts):
+def compiles(fn, sig, consts, warps=4):
     sig = dict(sig, **dict.fromkeys(consts, "constexpr"))
-    triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32))
+    triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": warps})
 
 import kernels.moe_grouping as grouping
+import kernels.moe_route_group as route_group
 import kernels.moe_routing as routing
 import kernels.moe_sum as moe_sum
 pdl = dict(USE_PDL=True, LAUNCH_SUCCESSOR=True)
@@ -95,11 +97,17 @@ for chunk in (1, 16):
     compiles(routing._route_kernel, {"logits_ptr": "*bf16", "weights_ptr": "*fp32",
              "experts_ptr": "*i32", "num_tokens": i32, "stride_logits": i32},
              dict(route, TOKEN_CHUNK=chunk))
-    compiles(routing._route_group_kernel, {"logits_ptr": "*bf16", "weights_ptr": "*fp32",
+    compiles(route_group._route_group_kernel, {"logits_ptr": "*bf16", "weights_ptr": "*fp32",
              "experts_ptr": "*i32", "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32",
              "num_padded_ptr": "*i32", "cursor_ptr": "*i32", "num_tokens": i32,
              "max_padded": i32, "stride_logits": i32},
              dict(route, TOKEN_CHUNK=chunk, BLOCK_M=16, CHUNK=64, CHUNK_PAIRS=512))
+for tokens, blocks, warps in ((1, 8, 1), (8, 64, 4)):
+    compiles(route_group._route_pairs_kernel, {"logits_ptr": "*bf16", "weights_ptr": "*fp32",
+             "experts_ptr": "*i32", "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32",
+             "num_padded_ptr": "*i32", "num_tokens": i32, "max_padded": i32,
+             "stride_logits": i32},
+             dict(route, BLOCK_T=tokens, BLOCK_M=16, BLOCK_BLOCKS=blocks, TAIL_CHUNK=256), warps)
 compiles(grouping._count_kernel, {"experts_ptr": "*i32", "counts_ptr": "*i32",
          "sorted_pairs_ptr": "*i32", "num_pairs": i32, "max_padded": i32},
          dict(NUM_EXPERTS=128, BLOCK_E=128, CHUNK_PAIRS=512, **pdl))

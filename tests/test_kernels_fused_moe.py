@@ -1,7 +1,7 @@
-"""Mixture-of-experts kernels (kernels/moe_routing.py, moe_grouping.py, fused_moe.py,
-moe_sum.py) against their references, and the references against the plain definition: each
-token's top-k experts by softmax probability, and the weighted sum of their gated MLPs. Fresh random inputs each run
-(seed in messages).
+"""Mixture-of-experts kernels (kernels/fused_moe.py, moe_sum.py, sparse_mlp.py) against their
+references, and the references against the plain definition: the weighted sum of each
+token's experts' gated MLPs. Routing and grouping are tests/test_kernels_moe_routing.py's.
+Fresh random inputs each run (seed in messages).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from triton_test_util import (
     DEVICE,
     SEED,
     check,
+    distinct_logits,
     gen,
     gpu_only,
     poisoned,
@@ -29,15 +30,10 @@ from kernels.fused_moe import (
     moe_tiles,
     tile_shared_bytes,
 )
-from kernels.moe_grouping import max_padded_rows, moe_group_ref, moe_group_triton
-from kernels.moe_routing import (
+from kernels.moe_route_group import (
     FUSED_ROUTING_MAX_TOKENS,
-    moe_route,
-    moe_route_and_group_ref,
-    moe_route_and_group_triton,
-    moe_route_ref,
-    moe_route_triton,
 )
+from kernels.moe_routing import moe_route_ref
 from kernels.moe_sum import (
     SLICE_FEATURES,
     moe_sum_add_pending_norm_triton,
@@ -47,141 +43,6 @@ from kernels.moe_sum import (
 from kernels.pending_norm import PendingNorm
 from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.sparse_mlp import moe_mlp, moe_mlp_add_rms_norm
-
-# (tokens, experts, top_k): one decode row, a few rows, rows sharing few experts, more
-# pairs than a grouping chunk, and on a GPU Qwen3-30B-A3B's router at batch 64 and a prefill.
-ROUTING_SHAPES = [(1, 8, 2), (5, 8, 2), (9, 4, 4), (37, 16, 3), (64, 128, 8), (70, 128, 8)] + (
-    [(8, 128, 8), (1000, 128, 8)] if CUDA else []
-)
-
-
-def _distinct_logits(tokens: int, experts: int, offset: int) -> torch.Tensor:
-    """Logits with no two equal in a row, so that the top-k set is unambiguous."""
-    g = gen(offset)
-    ranks = torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)])
-    return (ranks.float() * 0.37 + 0.05 * torch.rand(tokens, experts, generator=g)).to(DEVICE)
-
-
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_route_reference_is_softmax_top_k(renormalize):
-    logits = _distinct_logits(6, 10, 1)
-    weights, experts = moe_route_ref(logits, 3, renormalize)
-    probs = torch.softmax(logits.float(), dim=-1)
-    for t in range(6):
-        want = sorted(range(10), key=lambda e: -probs[t, e].item())[:3]
-        assert experts[t].tolist() == want
-        chosen = probs[t, want]
-        expect = chosen / chosen.sum() if renormalize else chosen
-        torch.testing.assert_close(weights[t], expect)
-
-
-@requires_triton
-@pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("tokens,experts,top_k", ROUTING_SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_route_kernel_matches_reference(tokens, experts, top_k, renormalize, dtype):
-    logits = _distinct_logits(tokens, experts, tokens + experts).to(dtype)
-    with poisoned():
-        weights, chosen = moe_route_triton(logits, top_k, renormalize)
-    want_weights, want_experts = moe_route_ref(logits, top_k, renormalize)
-    assert torch.equal(chosen.cpu(), want_experts.cpu()), f"seed {SEED}"
-    check(weights, want_weights, f"routing weights {tokens}x{experts} top {top_k}")
-
-
-@requires_triton
-@pytest.mark.parametrize("tokens", [3, 70])
-def test_rows_of_nan_route_to_experts_in_range(tokens):
-    """A padding row of a decode graph attends to nothing and its router logits are NaN: it
-    must still name real experts (the grouping places pairs by expert id), at weight 0."""
-    logits = _distinct_logits(tokens, 16, tokens)
-    logits[1] = float("nan")
-    weights, chosen, groups = moe_route_and_group_triton(logits, 4, True, 16)
-    assert chosen.min().item() >= 0 and chosen.max().item() < 16
-    assert chosen[1].tolist() == [0, 1, 2, 3] and weights[1].abs().sum().item() == 0
-    want_weights, want_experts = moe_route_ref(logits[[0, 2]], 4, True)
-    assert torch.equal(chosen[[0, 2]].cpu(), want_experts.cpu())
-    placed = groups.sorted_pairs[groups.sorted_pairs < tokens * 4]
-    assert sorted(placed.tolist()) == list(range(tokens * 4))
-
-
-def test_route_rejects_more_experts_than_exist():
-    with pytest.raises(ValueError, match="top_k 5 exceeds the 4 experts"):
-        moe_route(torch.zeros(2, 4, device=DEVICE), 5, True)
-
-
-def _random_experts(tokens: int, experts: int, top_k: int, offset: int) -> torch.Tensor:
-    g = gen(offset)
-    rows = [torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]
-    return torch.stack(rows).to(torch.int32).to(DEVICE)
-
-
-@pytest.mark.parametrize("block_m", [1, 4, 16])
-def test_group_reference_layout(block_m):
-    experts = _random_experts(11, 6, 3, block_m)
-    groups = moe_group_ref(experts, 6, block_m)
-    num_pairs = experts.numel()
-    flat = experts.reshape(-1).tolist()
-    num_padded = int(groups.num_padded.item())
-    assert num_padded % block_m == 0
-    assert groups.sorted_pairs.numel() == max_padded_rows(num_pairs, 6, block_m)
-    rows = groups.sorted_pairs.tolist()
-    # Every pair exactly once, in its expert's blocks, in rising order within the expert.
-    assert sorted(r for r in rows if r < num_pairs) == list(range(num_pairs))
-    assert all(r == num_pairs for r in rows[num_padded:])
-    for block, owner in enumerate(groups.block_expert.tolist()):
-        chunk = rows[block * block_m : (block + 1) * block_m]
-        if block * block_m >= num_padded:
-            assert owner == -1
-            continue
-        real = [p for p in chunk if p < num_pairs]
-        assert real, "a used block holds at least one pair"
-        assert all(flat[p] == owner for p in real)
-    for expert in range(6):
-        mine = [r for r in rows if r < num_pairs and flat[r] == expert]
-        assert mine == sorted(mine)
-
-
-@requires_triton
-@pytest.mark.parametrize("block_m", [16, 64])
-@pytest.mark.parametrize("tokens,experts,top_k", ROUTING_SHAPES)
-def test_group_kernel_matches_reference(tokens, experts, top_k, block_m):
-    chosen = _random_experts(tokens, experts, top_k, tokens * 7 + block_m)
-    with poisoned():
-        got = moe_group_triton(chosen, experts, block_m)
-    want = moe_group_ref(chosen, experts, block_m)
-    _check_same_groups(got, want, f"{tokens}x{experts} top {top_k} block {block_m}")
-
-
-def _check_same_groups(got, want, what: str) -> None:
-    """Same runs, same padding, and each expert's run holds the same pairs (on a GPU they
-    land in their run in the order of the atomics that place them)."""
-    what = f"{what} (seed {SEED})"
-    assert torch.equal(got.num_padded.cpu(), want.num_padded.cpu()), what
-    assert torch.equal(got.block_expert.cpu(), want.block_expert.cpu()), what
-    block_m = want.block_m
-    owners = want.block_expert.cpu().repeat_interleave(block_m)
-    got_rows, want_rows = got.sorted_pairs.cpu(), want.sorted_pairs.cpu()
-    assert torch.equal(got_rows[owners < 0], want_rows[owners < 0]), what
-    for expert in owners.unique().tolist():
-        run = owners == expert
-        assert torch.equal(got_rows[run].sort().values, want_rows[run].sort().values), what
-
-
-@requires_triton
-@pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("tokens,experts,top_k", ROUTING_SHAPES)
-def test_route_and_group_matches_reference(tokens, experts, top_k, renormalize):
-    # Up to FUSED_ROUTING_MAX_TOKENS tokens one kernel does both, above two.
-    assert any(t <= FUSED_ROUTING_MAX_TOKENS for t, _, _ in ROUTING_SHAPES)
-    assert any(t > FUSED_ROUTING_MAX_TOKENS for t, _, _ in ROUTING_SHAPES)
-    logits = _distinct_logits(tokens, experts, 3 * tokens + experts)
-    with poisoned():
-        weights, chosen, groups = moe_route_and_group_triton(logits, top_k, renormalize, 16)
-    want_weights, want_experts, want = moe_route_and_group_ref(logits, top_k, renormalize, 16)
-    what = f"{tokens}x{experts} top {top_k}"
-    assert torch.equal(chosen.cpu(), want_experts.cpu()), f"{what} (seed {SEED})"
-    check(weights, want_weights, f"routing weights {what}")
-    _check_same_groups(groups, want, what)
 
 
 @requires_triton
@@ -254,7 +115,7 @@ def test_sparse_mlp_takes_and_leaves_a_pending_norm(tokens, dtype, monkeypatch):
     pending, normed = pending_input(tokens, hidden, dtype, tokens + 32)
     w13 = randn(experts, 2 * inter, hidden, g=g, dtype=dtype, scale=hidden**-0.5)
     w2 = randn(experts, hidden, inter, g=g, dtype=dtype, scale=inter**-0.5)
-    logits = _distinct_logits(tokens, experts, tokens)
+    logits = distinct_logits(tokens, experts, tokens)
     residual = randn(tokens, hidden, g=g, dtype=dtype)
     weight = randn(hidden, g=g, dtype=dtype, scale=0.1) + 1.0
     weights, chosen = moe_route_ref(logits.cpu(), top_k, True)
@@ -292,7 +153,7 @@ def test_rows_past_the_fused_limit_get_the_norm_applied(monkeypatch):
 
     def normed_output(tokens: int):
         x = randn(tokens, hidden, g=g, dtype=torch.float16)
-        logits = _distinct_logits(tokens, experts, tokens)
+        logits = distinct_logits(tokens, experts, tokens)
         residual = randn(tokens, hidden, g=g, dtype=torch.float16)
         return moe_mlp_add_rms_norm(x, logits, w13, w2, top_k, True, residual, weight, 1e-6)[0]
 
@@ -301,7 +162,7 @@ def test_rows_past_the_fused_limit_get_the_norm_applied(monkeypatch):
     monkeypatch.setenv("PEGAINFER_NORM_FUSION", "0")
     for tokens in (2, 6):
         x = randn(tokens, hidden, g=g, dtype=torch.float16)
-        logits = _distinct_logits(tokens, experts, tokens)
+        logits = distinct_logits(tokens, experts, tokens)
         residual = randn(tokens, hidden, g=g, dtype=torch.float16)
         normed, new_residual = moe_mlp_add_rms_norm(
             x, logits, w13, w2, top_k, True, residual, weight, 1e-6
@@ -327,7 +188,7 @@ def test_whole_sparse_mlp_matches_reference(tokens, monkeypatch):
     x = randn(tokens, hidden, g=g, dtype=torch.float32)
     w13 = randn(experts, 2 * inter, hidden, g=g, dtype=torch.float32, scale=hidden**-0.5)
     w2 = randn(experts, hidden, inter, g=g, dtype=torch.float32, scale=inter**-0.5)
-    logits = _distinct_logits(tokens, experts, tokens)
+    logits = distinct_logits(tokens, experts, tokens)
     residual = randn(tokens, hidden, g=g, dtype=torch.float32)
     weight = randn(hidden, g=g, dtype=torch.float32, scale=0.1) + 1.0
     weights, chosen = moe_route_ref(logits.cpu(), top_k, True)

@@ -77,16 +77,22 @@ def test_kernel_names_map_to_parts():
     assert kernel_part("void at::native::vectorized_elementwise_kernel<4>") == OTHER
     # Every kernel of the sparse MLP, whichever path ran it (kernels/sparse_mlp.py).
     import kernels.moe_grouping
+    import kernels.moe_route_group
     import kernels.moe_routing
     import kernels.moe_sum
 
     moe_kernels = [
         name
-        for module in (kernels.moe_grouping, kernels.moe_routing, kernels.moe_sum)
+        for module in (
+            kernels.moe_grouping,
+            kernels.moe_route_group,
+            kernels.moe_routing,
+            kernels.moe_sum,
+        )
         for name in vars(module)
         if name.startswith("_") and name.endswith("_kernel")
     ]
-    assert len(moe_kernels) >= 7
+    assert len(moe_kernels) >= 8
     for name in moe_kernels:
         assert kernel_part(name).startswith("moe "), name
     assert kernel_part("_grouped_gemm_kernel") == EXPERTS

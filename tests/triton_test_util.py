@@ -73,6 +73,13 @@ def randn(*shape: int, g: torch.Generator, dtype: torch.dtype, scale: float = 1.
     return (scale * torch.randn(*shape, generator=g)).to(dtype).to(DEVICE)
 
 
+def distinct_logits(tokens: int, experts: int, offset: int) -> torch.Tensor:
+    """Router logits with no two equal in a row, so that the top-k set is unambiguous."""
+    g = gen(offset)
+    ranks = torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)])
+    return (ranks.float() * 0.37 + 0.05 * torch.rand(tokens, experts, generator=g)).to(DEVICE)
+
+
 def nan_cache(num_blocks, block_size, kv_heads, head_dim, dtype):
     shape = (num_blocks, block_size, kv_heads, head_dim)
     return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)

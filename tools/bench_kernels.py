@@ -242,14 +242,14 @@ def moe_cases(
     """Qwen3-30B-A3B's experts (128 of 2048 x 768, 8 a token): routing, the two grouped
     GEMMs with their grouping, and the whole sparse MLP, timed as graph replays. The bytes
     are the experts the tokens touch, read once."""
-    from kernels import moe_routing
+    from kernels import moe_route_group, moe_routing
     from kernels.fused_moe import fused_moe_ref, fused_moe_triton
 
     hidden, inter, num_experts, top_k = 2048, 768, 128, 8
     w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=DTYPE, device=device) * 0.02
     w2 = torch.randn(num_experts, hidden, inter, dtype=DTYPE, device=device) * 0.03
     rows: list[tuple[str, Callable, Callable, int, float]] = []
-    for tokens in [1, 8, 64, 2048] if quick else [1, 4, 8, 16, 64, 256, 2048]:
+    for tokens in [1, 8, 64, 2048] if quick else [1, 2, 4, 8, 16, 64, 256, 2048]:
         logits = torch.randn(tokens, num_experts, dtype=DTYPE, device=device)
         weights, experts = moe_routing.moe_route_ref(logits, top_k, True)
         x = torch.randn(tokens, hidden, dtype=DTYPE, device=device)
@@ -268,9 +268,11 @@ def moe_cases(
             (
                 f"moe route + group T={tokens}",
                 graphed(
-                    lambda g=logits: moe_routing.moe_route_and_group_triton(g, top_k, True, 16)
+                    lambda g=logits: moe_route_group.moe_route_and_group_triton(g, top_k, True, 16)
                 ),
-                graphed(lambda g=logits: moe_routing.moe_route_and_group_ref(g, top_k, True, 16)),
+                graphed(
+                    lambda g=logits: moe_route_group.moe_route_and_group_ref(g, top_k, True, 16)
+                ),
                 logits.numel() * ELEM + tokens * top_k * 8,
                 0.0,
             )

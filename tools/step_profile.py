@@ -76,6 +76,7 @@ _MOE_PARTS = (
     ("_grouped_gemm_kernel", EXPERTS),
     ("_route_kernel", "moe routing + grouping"),
     ("_group_kernel", "moe routing + grouping"),
+    ("_route_pairs_kernel", "moe routing + grouping"),
     ("_count_kernel", "moe routing + grouping"),
     ("_runs_kernel", "moe routing + grouping"),
     ("_place_kernel", "moe routing + grouping"),

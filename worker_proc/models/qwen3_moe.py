@@ -6,9 +6,10 @@ sparse MLP -> decoder layer -> model -> causal LM. The attention is Qwen3's
 (models/qwen3.py). A layer is sparse unless ``mlp_only_layers`` names it or
 ``decoder_sparse_step`` skips it; those layers keep a dense MLP of ``intermediate_size``.
 The router is a replicated linear layer; its softmax, top-k and (``norm_topk_prob``)
-renormalisation, and the experts themselves, are kernels/moe_routing.py and
-kernels/fused_moe.py. The checkpoint's ``mlp.experts.{e}.{gate,up,down}_proj`` tensors load
-into the stacked expert weights of worker_proc/layers/fused_moe.py.
+renormalisation, and the experts themselves, are kernels/moe_routing.py,
+kernels/moe_route_group.py and kernels/fused_moe.py. The checkpoint's
+``mlp.experts.{e}.{gate,up,down}_proj`` tensors load into the stacked expert weights of
+worker_proc/layers/fused_moe.py.
 """
 
 from __future__ import annotations
