@@ -3,10 +3,10 @@ top-k experts (kernels/moe_routing.py) and the (token, expert) pairs laid out ex
 expert for the grouped GEMMs (kernels/moe_grouping.py's ``MoeGroups``).
 
 Both kernels here are one program, with shapes fixed by the token count alone:
-- up to ``PAIRS_IN_REGISTERS`` pairs (a few decode rows) the pairs never leave registers:
-  each pair's place in its expert's run is the number of earlier pairs of that expert, each
-  run's start the padded runs of the lower experts, so the layout is built from pair-by-pair
-  comparisons with no atomics and no round trip through memory, and each expert's pairs
+- up to ``PAIRS_IN_REGISTERS`` pairs (a few decode rows) the layout is computed in
+  registers: each pair's place in its expert's run is the number of earlier pairs of that
+  expert, each run's start the padded runs of the lower experts, all from pair-by-pair
+  comparisons. No atomics, one read of the routed experts back, and each expert's pairs
   come in rising order, as in the reference;
 - up to ``FUSED_ROUTING_MAX_TOKENS`` tokens the pairs go through memory: counted, the runs
   laid out, then each pair placed by an atomic on its expert's cursor, each phase after a
@@ -34,8 +34,8 @@ from kernels.moe_grouping import (
 tl = None  # bound to triton.language by kernels.backend.load_triton()
 
 FUSED_ROUTING_MAX_TOKENS = 64
-# Pairs (tokens times top_k, each a power of two) the register kernel takes: its comparisons
-# are [pairs, pairs] and [blocks, pairs] tiles.
+# Pairs (tokens times top_k) the register kernel takes: its comparisons are [pairs, pairs]
+# and [blocks, pairs] tiles.
 PAIRS_IN_REGISTERS = 64
 # Rows of padding past the runs written a pass.
 _TAIL_CHUNK = 256
@@ -58,6 +58,7 @@ def _route_pairs_kernel(
     BLOCK_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_BLOCKS: tl.constexpr,
     TAIL_CHUNK: tl.constexpr,
@@ -85,39 +86,46 @@ def _route_pairs_kernel(
     tl.store(weights_ptr + pair_ids, weights, mask=in_use)
     tl.store(experts_ptr + pair_ids, experts, mask=in_use)
 
-    # The pairs, token by token; a lane not in use takes an expert past every real one.
+    # The grouping reads the experts back, once as a column and once as a row: each pair is
+    # taken against every other in [pairs, pairs] tiles, and values of a pair p stay [P, 1]
+    # columns, of a pair q [1, P] rows, so that no value moves between register layouts.
+    # Flattening the routed [tokens, top_k] tile in registers instead (tl.reshape, then
+    # both orientations of it) grouped wrongly on an H100 under Triton 3.6, though not in
+    # the interpreter.
+    tl.debug_barrier()
     num_pairs = num_tokens * TOP_K
-    ids = tl.reshape(tl.where(in_use, experts, BLOCK_E), [BLOCK_T * BLOCK_K])
-    pairs = tl.reshape(pair_ids, [BLOCK_T * BLOCK_K])
-    lanes = tl.arange(0, BLOCK_T * BLOCK_K)
-    used = ids < BLOCK_E
-    same = ids[:, None] == ids[None, :]
-    rank = tl.sum((same & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
-    count = tl.sum(same.to(tl.int32), axis=1)
-    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    first = used & (rank == 0)
+    lanes = tl.arange(0, BLOCK_P)
+    p = lanes[:, None]
+    q = lanes[None, :]
+    ids_p = tl.load(experts_ptr + p, mask=p < num_pairs, other=BLOCK_E)
+    ids_q = tl.load(experts_ptr + q, mask=q < num_pairs, other=BLOCK_E)
+    same = (ids_p == ids_q).to(tl.int32)
+    # A pair's place in its expert's run is the count of that expert's pairs before it.
+    rank_p = tl.sum(tl.where(q < p, same, 0), axis=1, keep_dims=True)
+    rank_q = tl.sum(tl.where(p < q, same, 0), axis=0, keep_dims=True)
+    padded_p = (tl.sum(same, axis=1, keep_dims=True) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_q = (tl.sum(same, axis=0, keep_dims=True) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    count_p = tl.sum(same, axis=1, keep_dims=True)
+    first_p = (p < num_pairs) & (rank_p == 0)
+    first_q = (q < num_pairs) & (rank_q == 0)
     # A run starts past the padded runs of the lower experts, each counted at its first pair.
-    lower = first[None, :] & (ids[None, :] < ids[:, None])
-    start = tl.sum(tl.where(lower, padded[None, :], 0), axis=1)
-    total = tl.sum(tl.where(first, padded, 0), axis=0)
+    start_p = tl.sum(tl.where(first_q & (ids_q < ids_p), padded_q, 0), axis=1, keep_dims=True)
+    start_q = tl.sum(tl.where(first_p & (ids_p < ids_q), padded_p, 0), axis=0, keep_dims=True)
+    total = tl.sum(tl.sum(tl.where(first_q, padded_q, 0), axis=1), axis=0)
     tl.store(num_padded_ptr, total)
-    tl.store(sorted_pairs_ptr + start + rank, pairs, mask=used)
+    tl.store(sorted_pairs_ptr + start_p + rank_p, p, mask=p < num_pairs)
     # Padding, rows no pair takes, so no barrier orders these stores after the pairs': each
     # run's from its first pair, then every row past the runs.
-    pad_rows = (start + count)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-    pad_mask = first[:, None] & (pad_rows < (start + padded)[:, None])
+    pad_rows = start_p + count_p + tl.arange(0, BLOCK_M)[None, :]
+    pad_mask = first_p & (pad_rows < start_p + padded_p)
     tl.store(sorted_pairs_ptr + pad_rows, num_pairs + 0 * pad_rows, mask=pad_mask)
     for row0 in range(0, max_padded, TAIL_CHUNK):
         rows = row0 + tl.arange(0, TAIL_CHUNK)
         tail = (rows >= total) & (rows < max_padded)
         tl.store(sorted_pairs_ptr + rows, num_pairs + 0 * rows, mask=tail)
-    block_rows = tl.arange(0, BLOCK_BLOCKS) * BLOCK_M
-    owns = (
-        first[None, :]
-        & (start[None, :] <= block_rows[:, None])
-        & (block_rows[:, None] < (start + padded)[None, :])
-    )
-    owner = tl.max(tl.where(owns, ids[None, :], -1), axis=1)
+    block_rows = tl.arange(0, BLOCK_BLOCKS)[:, None] * BLOCK_M
+    owns = first_q & (start_q <= block_rows) & (block_rows < start_q + padded_q)
+    owner = tl.max(tl.where(owns, ids_q, -1), axis=1, keep_dims=True)
     tl.store(block_expert_ptr + block_rows // BLOCK_M, owner, mask=block_rows < max_padded)
 
 
@@ -209,9 +217,7 @@ def pairs_in_registers(num_tokens: int, top_k: int) -> bool:
     (``PEGAINFER_MOE_REGISTER_PAIRS=0``: never)."""
     if os.environ.get("PEGAINFER_MOE_REGISTER_PAIRS", "1") == "0":
         return False
-    return 0 < num_tokens and next_power_of_2(num_tokens) * next_power_of_2(top_k) <= (
-        PAIRS_IN_REGISTERS
-    )
+    return 0 < num_tokens * top_k <= PAIRS_IN_REGISTERS
 
 
 def register_pairs_warps(num_tokens: int, top_k: int) -> int:
@@ -220,7 +226,7 @@ def register_pairs_warps(num_tokens: int, top_k: int) -> int:
     setting = os.environ.get("PEGAINFER_MOE_ROUTE_WARPS")
     if setting:
         return int(setting)
-    return 1 if next_power_of_2(num_tokens) * next_power_of_2(top_k) <= 16 else 4
+    return 1 if num_tokens * top_k <= 16 else 4
 
 
 def moe_route_and_group_triton(
@@ -259,6 +265,7 @@ def moe_route_and_group_triton(
             *buffers,
             *sizes,
             BLOCK_T=next_power_of_2(num_tokens),
+            BLOCK_P=next_power_of_2(num_tokens * top_k),
             BLOCK_BLOCKS=next_power_of_2(block_expert.numel()),
             TAIL_CHUNK=_TAIL_CHUNK,
             num_warps=register_pairs_warps(num_tokens, top_k),

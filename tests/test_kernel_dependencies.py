@@ -102,12 +102,13 @@ for chunk in (1, 16):
              "num_padded_ptr": "*i32", "cursor_ptr": "*i32", "num_tokens": i32,
              "max_padded": i32, "stride_logits": i32},
              dict(route, TOKEN_CHUNK=chunk, BLOCK_M=16, CHUNK=64, CHUNK_PAIRS=512))
-for tokens, blocks, warps in ((1, 8, 1), (8, 64, 4)):
+for tokens, pairs, blocks, warps in ((1, 8, 8, 1), (8, 64, 64, 4)):
     compiles(route_group._route_pairs_kernel, {"logits_ptr": "*bf16", "weights_ptr": "*fp32",
              "experts_ptr": "*i32", "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32",
              "num_padded_ptr": "*i32", "num_tokens": i32, "max_padded": i32,
              "stride_logits": i32},
-             dict(route, BLOCK_T=tokens, BLOCK_M=16, BLOCK_BLOCKS=blocks, TAIL_CHUNK=256), warps)
+             dict(route, BLOCK_T=tokens, BLOCK_P=pairs, BLOCK_M=16, BLOCK_BLOCKS=blocks,
+                  TAIL_CHUNK=256), warps)
 compiles(grouping._count_kernel, {"experts_ptr": "*i32", "counts_ptr": "*i32",
          "sorted_pairs_ptr": "*i32", "num_pairs": i32, "max_padded": i32},
          dict(NUM_EXPERTS=128, BLOCK_E=128, CHUNK_PAIRS=512, **pdl))

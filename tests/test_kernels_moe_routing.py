@@ -161,7 +161,7 @@ def test_decode_batches_route_and_group_in_registers(monkeypatch):
     # Qwen3-30B-A3B's top 8: one to eight decode rows; more pairs go through memory.
     assert all(pairs_in_registers(tokens, 8) for tokens in range(1, 9))
     assert not pairs_in_registers(9, 8) and not pairs_in_registers(0, 8)
-    assert pairs_in_registers(16, 3) and not pairs_in_registers(17, 3)
+    assert pairs_in_registers(21, 3) and not pairs_in_registers(22, 3)
     monkeypatch.setenv("PEGAINFER_MOE_REGISTER_PAIRS", "0")
     assert not pairs_in_registers(1, 8)
 
