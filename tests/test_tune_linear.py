@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.tune_linear import candidates, parse_grid
+from tools.tune_linear import candidates, parse_grid, projections
 
 
 def test_one_row_candidates_follow_the_grid():
@@ -35,6 +35,24 @@ def test_grouped_candidates_take_the_smallest_tile_that_holds_a_share():
     assert all(c.groups in (0, 132) for c in found)
     # Without a shape, no share to size a tile by: only whole tiles.
     assert not any(c.groups for c in candidates(8, grid=grid))
+
+
+def test_a_mixture_preset_sweeps_its_router_at_any_program_count():
+    shapes = {name: (n, k) for name, n, k in projections("30b-a3b")}
+    assert shapes == {
+        "qkv": (5120, 2048),
+        "o": (2048, 4096),
+        "router": (128, 2048),
+        "lm_head": (151936, 2048),
+    }
+    grid = parse_grid("block_n=16,32,64;block_k=128;stages=4;split=1,2,4,8")
+    found = candidates(8, 128, 2048, grid=grid)
+    # 128 features make 2-8 tiles: under a hundred programs with any split of 16 K steps.
+    assert {(c.block_n, c.split_k) for c in found} == {
+        (n, s) for n in (16, 32, 64) for s in (1, 2, 4, 8)
+    }
+    # A weight of Qwen3-4B's size keeps the floor of a hundred programs.
+    assert not candidates(8, 2560, 4096, grid=parse_grid("block_n=64;split=1"))
 
 
 def test_grid_names_are_checked():

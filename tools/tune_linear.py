@@ -40,19 +40,33 @@ PRESETS = {
     "8b": (4096, 12288, 32, 8, 128, 151936),
     "14b": (5120, 17408, 40, 8, 128, 151936),
     "32b": (5120, 25600, 64, 8, 128, 151936),
+    # Mixtures of experts: the intermediate size is an expert's. Their dense projections
+    # are qkv, o, the router and the LM head; the experts are grouped GEMMs
+    # (kernels/fused_moe.py, timed by tools/bench_kernels).
+    "30b-a3b": (2048, 768, 32, 4, 128, 151936),
+    "235b-a22b": (4096, 1536, 64, 4, 128, 151936),
 }
+# The router's outputs, one an expert, of the mixture presets.
+NUM_EXPERTS = {"30b-a3b": 128, "235b-a22b": 128}
 
 
 SILU = "gate_up_silu"
 # Shared memory a skinny tile may take over its stages (of 227 KB a SM on Hopper).
 _MAX_STAGE_BYTES = 160 << 10
+# Weights up to this size (a mixture's router: 512 KB) are swept at any program count: no
+# tile of theirs makes the hundred programs a larger weight's candidates must.
+_SMALL_WEIGHT_BYTES = 4 << 20
 
 
 def projections(preset: str) -> list[tuple[str, int, int]]:
     hidden, inter, heads, kv_heads, head_dim, vocab = PRESETS[preset]
-    return [
+    attention = [
         ("qkv", (heads + 2 * kv_heads) * head_dim, hidden),
         ("o", hidden, heads * head_dim),
+    ]
+    if preset in NUM_EXPERTS:
+        return attention + [("router", NUM_EXPERTS[preset], hidden), ("lm_head", vocab, hidden)]
+    return attention + [
         ("gate_up", 2 * inter, hidden),
         (SILU, 2 * inter, hidden),
         ("down", hidden, inter),
@@ -136,7 +150,8 @@ def candidates(
             if groups and (groups > features or next_power_of_2(cdiv(features, groups)) != block_n):
                 continue
             programs = (groups or cdiv(features, block_n)) * split_k
-            if not 100 <= programs <= 8192 or cdiv(k, block_k) < 2 * split_k:
+            too_few = programs < 100 and n * k * 2 > _SMALL_WEIGHT_BYTES
+            if too_few or programs > 8192 or cdiv(k, block_k) < 2 * split_k:
                 continue
         elif groups:
             continue
