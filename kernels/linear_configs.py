@@ -46,6 +46,8 @@ MAX_TRITON_ROWS = MAX_ROWS
 TABLE_DIR = Path(__file__).with_name("linear_tables")
 # Programs the skinny rule splits K to reach: two per SM on a 132-SM part.
 _TARGET_PROGRAMS = 264
+# Output features up to which the one-row GEMV takes one feature a program (gemv_config).
+FEW_FEATURES = 512
 
 
 # Weight tiles the one-row GEMV's K loop keeps in flight (kernels/gemv.py): 1, none; each
@@ -99,6 +101,16 @@ def gemv_config(n: int, k: int) -> LinearConfig:
     override = gemv_tile_overrides(os.environ.get("PEGAINFER_LINEAR_TILES", "")).get((n, k))
     if override is not None:
         return override
+    stages = int(os.environ.get("PEGAINFER_GEMV_STAGES", GEMV_STAGES))
+    if n <= FEW_FEATURES:
+        # A weight of few rows (a mixture's router, 128 x 2,048) takes one feature a program
+        # in 1,024-wide K tiles: 128 programs of two K steps. Alone (tools/tune_linear, H100)
+        # 1.7 us against 3.1 with the rule's (2, 512) tile; Qwen3-30B-A3B's shape cut to 16
+        # layers decoded one sequence at 1.14 / 1.29 ms a step at context 128 / 4k against
+        # 1.15-1.16 / 1.30-1.31 (two alternated rounds; (1, 512, 2 warps) 1.15 / 1.30).
+        if k >= 1024:
+            return LinearConfig("gemv", 1, 1024, 4, num_stages=stages)
+        return LinearConfig("gemv", 1, 512, 2, num_stages=stages)
     block_k = 1024 if k >= 4096 else 512
     # Narrow weights take two features a program, for more programs in flight. With Qwen3-4B's
     # qkv (6,144 x 2,560) at (2, 512) a decode step took 2.56 ms on an H200 at context 128
@@ -109,7 +121,6 @@ def gemv_config(n: int, k: int) -> LinearConfig:
     # 2,560 programs; 2.56 / 2.84 with o so too; 3.01 / 3.29 with down at (4, 1024, 4 warps);
     # 2.42 / 2.71 with o so (H200, bench_latency, two alternated rounds).
     block_n = fitting_block_n(n, 2 if block_k == 1024 or n <= 8192 else 4)
-    stages = int(os.environ.get("PEGAINFER_GEMV_STAGES", GEMV_STAGES))
     return LinearConfig("gemv", block_n, block_k, 4 if block_k >= 1024 else 2, num_stages=stages)
 
 

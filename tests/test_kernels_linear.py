@@ -152,6 +152,18 @@ def test_two_rows_take_the_gemv_unless_turned_off(monkeypatch):
     assert pick_config(2, 2560, 4096).kind == "skinny"
 
 
+def test_a_weight_of_few_rows_takes_one_feature_a_program(monkeypatch):
+    monkeypatch.delenv("PEGAINFER_LINEAR_TILES", raising=False)
+    monkeypatch.delenv("PEGAINFER_GEMV_STAGES", raising=False)
+    # A mixture's router (Qwen3-30B-A3B, 235B-A22B): one feature, 1,024 of K, 4 warps.
+    assert pick_config(1, 128, 2048) == LinearConfig("gemv", 1, 1024, 4, num_stages=1)
+    assert pick_config(1, 128, 4096) == LinearConfig("gemv", 1, 1024, 4, num_stages=1)
+    assert pick_config(1, 64, 512) == LinearConfig("gemv", 1, 512, 2, num_stages=1)
+    # Qwen3-4B's projections keep the rule's tiles.
+    assert pick_config(1, 6144, 2560) == LinearConfig("gemv", 2, 512, 2, num_stages=1)
+    assert pick_config(1, 2560, 9728) == LinearConfig("gemv", 2, 1024, 4, num_stages=1)
+
+
 def test_rows_gemv_needs_whole_vectors_of_k():
     x, weight, _ = _inputs(2, 8, 64, torch.float16, 1, False)
     with pytest.raises(ValueError, match="multiple of 8"):
@@ -164,8 +176,8 @@ def test_one_row_tiles_can_be_overridden_from_the_environment(monkeypatch):
     monkeypatch.setenv("PEGAINFER_LINEAR_TILES", "48,64=8,32,2; 16,64=2,64,4,2")
     assert pick_config(1, 48, 64) == LinearConfig("gemv", 8, 32, 2, num_stages=1)
     assert pick_config(1, 16, 64) == LinearConfig("gemv", 2, 64, 4, num_stages=2)
-    # other shapes: the rules
-    assert pick_config(1, 48, 128) == LinearConfig("gemv", 2, 512, 2, num_stages=1)
+    # other shapes: the rules (a weight of few rows: one feature a program)
+    assert pick_config(1, 48, 128) == LinearConfig("gemv", 1, 512, 2, num_stages=1)
     assert pick_config(1, 19456, 2560) == LinearConfig("gemv", 4, 512, 2, num_stages=1)
     assert pick_config(1, 2560, 4096) == LinearConfig("gemv", 2, 1024, 4, num_stages=1)
     monkeypatch.setenv("PEGAINFER_GEMV_STAGES", "3")
