@@ -66,13 +66,12 @@ def _route_pairs_kernel(
     LAUNCH_SUCCESSOR: tl.constexpr,
 ):
     pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
-    tokens = tl.arange(0, BLOCK_T)
-    slots = tl.arange(0, BLOCK_K)
-    token_ok = tokens < num_tokens
-    weights, experts = moe_routing.route_rows(
+    moe_routing.route_tokens(
         logits_ptr,
-        tokens,
-        token_ok,
+        weights_ptr,
+        experts_ptr,
+        0,
+        num_tokens,
         stride_logits,
         NUM_EXPERTS,
         TOP_K,
@@ -81,10 +80,6 @@ def _route_pairs_kernel(
         RENORMALIZE,
         BLOCK_T,
     )
-    pair_ids = tokens[:, None] * TOP_K + slots[None, :]
-    in_use = token_ok[:, None] & (slots[None, :] < TOP_K)
-    tl.store(weights_ptr + pair_ids, weights, mask=in_use)
-    tl.store(experts_ptr + pair_ids, experts, mask=in_use)
 
     # The grouping reads the experts back, once as a column and once as a row: each pair is
     # taken against every other in [pairs, pairs] tiles, and values of a pair p stay [P, 1]
