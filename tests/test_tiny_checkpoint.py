@@ -10,8 +10,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
+from tools.checkpoint_presets import QWEN3_VOCAB  # noqa: E402
 from tools.make_tiny_checkpoint import (  # noqa: E402
-    QWEN3_VOCAB,
     build_config,
     make_checkpoint,
     random_tensor,

@@ -303,7 +303,7 @@ def decode_step_launches(
 def main(argv: list[str] | None = None) -> None:
     from kernels.backend import load_triton
     from kernels.linear_configs import table_path
-    from tools.make_tiny_checkpoint import PRESETS
+    from tools.checkpoint_presets import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
