@@ -98,9 +98,9 @@ def _route_pairs_kernel(
     # A pair's place in its expert's run is the count of that expert's pairs before it.
     rank_p = tl.sum(tl.where(q < p, same, 0), axis=1, keep_dims=True)
     rank_q = tl.sum(tl.where(p < q, same, 0), axis=0, keep_dims=True)
-    padded_p = (tl.sum(same, axis=1, keep_dims=True) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_q = (tl.sum(same, axis=0, keep_dims=True) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     count_p = tl.sum(same, axis=1, keep_dims=True)
+    padded_p = (count_p + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_q = (tl.sum(same, axis=0, keep_dims=True) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     first_p = (p < num_pairs) & (rank_p == 0)
     first_q = (q < num_pairs) & (rank_q == 0)
     # A run starts past the padded runs of the lower experts, each counted at its first pair.

@@ -7,7 +7,7 @@ inside its CUDA graph.
 
 A sparse layer's step routes and groups its pairs in one kernel at decode batches
 (kernels/moe_route_group.py); above, the routing kernel here (a program to 16 tokens) and the
-grouping's own kernels run. All route through ``route_rows``.
+grouping's own kernels run. All route through ``route_tokens``.
 """
 
 from __future__ import annotations
@@ -36,22 +36,26 @@ def moe_route_ref(
 
 
 @triton_jit
-def route_rows(
+def route_tokens(
     logits_ptr,
-    tokens,
-    token_ok,
+    weights_ptr,
+    experts_ptr,
+    t0,
+    num_tokens,
     stride_logits,
     NUM_EXPERTS: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    TOKEN_CHUNK: tl.constexpr,
 ):
-    """The ``[BLOCK_T, BLOCK_K]`` weights and experts of ``tokens``, in registers: the
+    """Route tokens ``t0 .. t0 + TOKEN_CHUNK`` and store their weights and experts: the
     experts fit one tile a token, and top-k is k rounds of one arg-max each."""
     expert_ids = tl.arange(0, BLOCK_E)
     slots = tl.arange(0, BLOCK_K)
+    tokens = t0 + tl.arange(0, TOKEN_CHUNK)
+    token_ok = tokens < num_tokens
     logits = tl.load(
         logits_ptr + tokens.to(tl.int64)[:, None] * stride_logits + expert_ids[None, :],
         mask=token_ok[:, None] & (expert_ids[None, :] < NUM_EXPERTS),
@@ -69,7 +73,7 @@ def route_rows(
     # expert and, among equal probabilities, the lowest, as a stable top-k picks.
     keys = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - expert_ids)
     keys = tl.where(expert_ids[None, :] < NUM_EXPERTS, keys, -1)
-    chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
+    chosen = tl.zeros([TOKEN_CHUNK, BLOCK_K], dtype=tl.int64)
     for j in tl.static_range(TOP_K):
         best = tl.max(keys, axis=1)
         chosen = tl.where(slots[None, :] == j, best[:, None], chosen)
@@ -80,40 +84,6 @@ def route_rows(
         # Slots past TOP_K hold 0.
         total = tl.maximum(tl.sum(chosen_weights, axis=1), 1e-30)  # 0 for NaN rows
         chosen_weights = chosen_weights / total[:, None]
-    return chosen_weights, chosen_experts
-
-
-@triton_jit
-def route_tokens(
-    logits_ptr,
-    weights_ptr,
-    experts_ptr,
-    t0,
-    num_tokens,
-    stride_logits,
-    NUM_EXPERTS: tl.constexpr,
-    TOP_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    TOKEN_CHUNK: tl.constexpr,
-):
-    """Route tokens ``t0 .. t0 + TOKEN_CHUNK`` and store their weights and experts."""
-    slots = tl.arange(0, BLOCK_K)
-    tokens = t0 + tl.arange(0, TOKEN_CHUNK)
-    token_ok = tokens < num_tokens
-    chosen_weights, chosen_experts = route_rows(
-        logits_ptr,
-        tokens,
-        token_ok,
-        stride_logits,
-        NUM_EXPERTS,
-        TOP_K,
-        BLOCK_E,
-        BLOCK_K,
-        RENORMALIZE,
-        TOKEN_CHUNK,
-    )
     at = tokens[:, None] * TOP_K + slots[None, :]
     keep = token_ok[:, None] & (slots[None, :] < TOP_K)
     tl.store(weights_ptr + at, chosen_weights, mask=keep)
