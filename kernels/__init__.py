@@ -12,7 +12,7 @@ from kernels.pending_norm import PendingNorm, as_tensor
 from kernels.prefill_work import prefill_queries_per_tile, prefill_work_table
 from kernels.rmsnorm import embed_rms_norm, fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_and_store_kv, rotary_embedding
-from kernels.sparse_mlp import moe_mlp, moe_mlp_add_rms_norm
+from kernels.sparse_mlp import moe_layer_add_rms_norm, moe_mlp, moe_mlp_add_rms_norm
 from kernels.token_bitmask import apply_token_bitmask
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "linear",
     "linear_add_rms_norm",
     "linear_silu_and_mul",
+    "moe_layer_add_rms_norm",
     "moe_mlp",
     "moe_mlp_add_rms_norm",
     "paged_attention",

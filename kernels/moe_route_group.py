@@ -38,7 +38,64 @@ FUSED_ROUTING_MAX_TOKENS = 64
 # and [blocks, pairs] tiles.
 PAIRS_IN_REGISTERS = 64
 # Rows of padding past the runs written a pass.
-_TAIL_CHUNK = 256
+TAIL_CHUNK = 256
+
+
+@triton_jit
+def group_pairs(
+    experts_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_pairs,
+    max_padded,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_BLOCKS: tl.constexpr,
+    TAIL_CHUNK: tl.constexpr,
+):
+    """Lay out the routed pairs at ``experts_ptr`` (written by this program, before a
+    barrier) expert by expert, in registers: ``MoeGroups``' rows, runs and padding."""
+    # The grouping reads the experts back, once as a column and once as a row: each pair is
+    # taken against every other in [pairs, pairs] tiles, and values of a pair p stay [P, 1]
+    # columns, of a pair q [1, P] rows, so that no value moves between register layouts.
+    # Flattening the routed [tokens, top_k] tile in registers instead (tl.reshape, then
+    # both orientations of it) grouped wrongly on an H100 under Triton 3.6, though not in
+    # the interpreter.
+    lanes = tl.arange(0, BLOCK_P)
+    p = lanes[:, None]
+    q = lanes[None, :]
+    ids_p = tl.load(experts_ptr + p, mask=p < num_pairs, other=BLOCK_E)
+    ids_q = tl.load(experts_ptr + q, mask=q < num_pairs, other=BLOCK_E)
+    same = (ids_p == ids_q).to(tl.int32)
+    # A pair's place in its expert's run is the count of that expert's pairs before it.
+    rank_p = tl.sum(tl.where(q < p, same, 0), axis=1, keep_dims=True)
+    rank_q = tl.sum(tl.where(p < q, same, 0), axis=0, keep_dims=True)
+    count_p = tl.sum(same, axis=1, keep_dims=True)
+    padded_p = (count_p + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_q = (tl.sum(same, axis=0, keep_dims=True) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    first_p = (p < num_pairs) & (rank_p == 0)
+    first_q = (q < num_pairs) & (rank_q == 0)
+    # A run starts past the padded runs of the lower experts, each counted at its first pair.
+    start_p = tl.sum(tl.where(first_q & (ids_q < ids_p), padded_q, 0), axis=1, keep_dims=True)
+    start_q = tl.sum(tl.where(first_p & (ids_p < ids_q), padded_p, 0), axis=0, keep_dims=True)
+    total = tl.sum(tl.sum(tl.where(first_q, padded_q, 0), axis=1), axis=0)
+    tl.store(num_padded_ptr, total)
+    tl.store(sorted_pairs_ptr + start_p + rank_p, p, mask=p < num_pairs)
+    # Padding, rows no pair takes, so no barrier orders these stores after the pairs': each
+    # run's from its first pair, then every row past the runs.
+    pad_rows = start_p + count_p + tl.arange(0, BLOCK_M)[None, :]
+    pad_mask = first_p & (pad_rows < start_p + padded_p)
+    tl.store(sorted_pairs_ptr + pad_rows, num_pairs + 0 * pad_rows, mask=pad_mask)
+    for row0 in range(0, max_padded, TAIL_CHUNK):
+        rows = row0 + tl.arange(0, TAIL_CHUNK)
+        tail = (rows >= total) & (rows < max_padded)
+        tl.store(sorted_pairs_ptr + rows, num_pairs + 0 * rows, mask=tail)
+    block_rows = tl.arange(0, BLOCK_BLOCKS)[:, None] * BLOCK_M
+    owns = first_q & (start_q <= block_rows) & (block_rows < start_q + padded_q)
+    owner = tl.max(tl.where(owns, ids_q, -1), axis=1, keep_dims=True)
+    tl.store(block_expert_ptr + block_rows // BLOCK_M, owner, mask=block_rows < max_padded)
 
 
 @triton_jit(do_not_specialize=("num_tokens", "max_padded"))
@@ -79,49 +136,23 @@ def _route_pairs_kernel(
         BLOCK_K,
         RENORMALIZE,
         BLOCK_T,
+        "",
     )
 
-    # The grouping reads the experts back, once as a column and once as a row: each pair is
-    # taken against every other in [pairs, pairs] tiles, and values of a pair p stay [P, 1]
-    # columns, of a pair q [1, P] rows, so that no value moves between register layouts.
-    # Flattening the routed [tokens, top_k] tile in registers instead (tl.reshape, then
-    # both orientations of it) grouped wrongly on an H100 under Triton 3.6, though not in
-    # the interpreter.
     tl.debug_barrier()
-    num_pairs = num_tokens * TOP_K
-    lanes = tl.arange(0, BLOCK_P)
-    p = lanes[:, None]
-    q = lanes[None, :]
-    ids_p = tl.load(experts_ptr + p, mask=p < num_pairs, other=BLOCK_E)
-    ids_q = tl.load(experts_ptr + q, mask=q < num_pairs, other=BLOCK_E)
-    same = (ids_p == ids_q).to(tl.int32)
-    # A pair's place in its expert's run is the count of that expert's pairs before it.
-    rank_p = tl.sum(tl.where(q < p, same, 0), axis=1, keep_dims=True)
-    rank_q = tl.sum(tl.where(p < q, same, 0), axis=0, keep_dims=True)
-    count_p = tl.sum(same, axis=1, keep_dims=True)
-    padded_p = (count_p + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_q = (tl.sum(same, axis=0, keep_dims=True) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    first_p = (p < num_pairs) & (rank_p == 0)
-    first_q = (q < num_pairs) & (rank_q == 0)
-    # A run starts past the padded runs of the lower experts, each counted at its first pair.
-    start_p = tl.sum(tl.where(first_q & (ids_q < ids_p), padded_q, 0), axis=1, keep_dims=True)
-    start_q = tl.sum(tl.where(first_p & (ids_p < ids_q), padded_p, 0), axis=0, keep_dims=True)
-    total = tl.sum(tl.sum(tl.where(first_q, padded_q, 0), axis=1), axis=0)
-    tl.store(num_padded_ptr, total)
-    tl.store(sorted_pairs_ptr + start_p + rank_p, p, mask=p < num_pairs)
-    # Padding, rows no pair takes, so no barrier orders these stores after the pairs': each
-    # run's from its first pair, then every row past the runs.
-    pad_rows = start_p + count_p + tl.arange(0, BLOCK_M)[None, :]
-    pad_mask = first_p & (pad_rows < start_p + padded_p)
-    tl.store(sorted_pairs_ptr + pad_rows, num_pairs + 0 * pad_rows, mask=pad_mask)
-    for row0 in range(0, max_padded, TAIL_CHUNK):
-        rows = row0 + tl.arange(0, TAIL_CHUNK)
-        tail = (rows >= total) & (rows < max_padded)
-        tl.store(sorted_pairs_ptr + rows, num_pairs + 0 * rows, mask=tail)
-    block_rows = tl.arange(0, BLOCK_BLOCKS)[:, None] * BLOCK_M
-    owns = first_q & (start_q <= block_rows) & (block_rows < start_q + padded_q)
-    owner = tl.max(tl.where(owns, ids_q, -1), axis=1, keep_dims=True)
-    tl.store(block_expert_ptr + block_rows // BLOCK_M, owner, mask=block_rows < max_padded)
+    group_pairs(
+        experts_ptr,
+        sorted_pairs_ptr,
+        block_expert_ptr,
+        num_padded_ptr,
+        num_tokens * TOP_K,
+        max_padded,
+        BLOCK_E,
+        BLOCK_P,
+        BLOCK_M,
+        BLOCK_BLOCKS,
+        TAIL_CHUNK,
+    )
 
 
 @triton_jit(do_not_specialize=("num_tokens", "max_padded"))
@@ -166,6 +197,7 @@ def _route_group_kernel(
             BLOCK_K,
             RENORMALIZE,
             TOKEN_CHUNK,
+            "",
         )
     tl.debug_barrier()
 
@@ -262,7 +294,7 @@ def moe_route_and_group_triton(
             BLOCK_T=next_power_of_2(num_tokens),
             BLOCK_P=next_power_of_2(num_tokens * top_k),
             BLOCK_BLOCKS=next_power_of_2(block_expert.numel()),
-            TAIL_CHUNK=_TAIL_CHUNK,
+            TAIL_CHUNK=TAIL_CHUNK,
             num_warps=register_pairs_warps(num_tokens, top_k),
             **route,
         )

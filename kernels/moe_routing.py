@@ -49,9 +49,11 @@ def route_tokens(
     BLOCK_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     TOKEN_CHUNK: tl.constexpr,
+    LOGITS_CACHE: tl.constexpr,
 ):
     """Route tokens ``t0 .. t0 + TOKEN_CHUNK`` and store their weights and experts: the
-    experts fit one tile a token, and top-k is k rounds of one arg-max each."""
+    experts fit one tile a token, and top-k is k rounds of one arg-max each. The logits are
+    loaded with ``LOGITS_CACHE`` (``".cg"`` where other programs of the kernel wrote them)."""
     expert_ids = tl.arange(0, BLOCK_E)
     slots = tl.arange(0, BLOCK_K)
     tokens = t0 + tl.arange(0, TOKEN_CHUNK)
@@ -60,6 +62,7 @@ def route_tokens(
         logits_ptr + tokens.to(tl.int64)[:, None] * stride_logits + expert_ids[None, :],
         mask=token_ok[:, None] & (expert_ids[None, :] < NUM_EXPERTS),
         other=float("-inf"),
+        cache_modifier=LOGITS_CACHE,
     ).to(tl.float32)
     # Rows past the last token route something harmless, never stored.
     logits = tl.where(token_ok[:, None], logits, 0.0)
@@ -120,6 +123,7 @@ def _route_kernel(
         BLOCK_K,
         RENORMALIZE,
         TOKEN_CHUNK,
+        "",
     )
 
 

@@ -108,6 +108,7 @@ LAUNCHING_KERNELS = (
     "skinny",
     "skinny_add",
     "moe_route",
+    "moe_router",
     "moe_group",
     "moe_grouped_gemm",
     "moe_sum_add_norm",

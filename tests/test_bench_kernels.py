@@ -1,11 +1,13 @@
-"""tools/bench_kernels.py's MoE rows, built and run once on the CPU (the graphs replaced by
-the calls they capture): every row's functions run, and the bytes are the experts touched."""
+"""tools/bench_moe_kernels.py (tools/bench_kernels.py's MoE rows), built and run once on the
+CPU, the graphs replaced by the calls they capture: every row's functions run, and the bytes
+are the experts touched."""
 
 from __future__ import annotations
 
 import torch
+from triton_test_util import DEVICE, requires_triton
 
-from tools import bench_kernels
+from tools import bench_moe_kernels as bench_kernels
 
 
 def test_sparse_mlp_rows_run_and_count_the_experts_touched(monkeypatch):
@@ -26,3 +28,20 @@ def test_sparse_mlp_rows_run_and_count_the_experts_touched(monkeypatch):
         # Each call touches between top_k and min(tokens * top_k, num_experts) experts.
         assert 3 * top_k <= moved // expert_bytes <= 3 * min(tokens * top_k, num_experts)
         assert flops == 2.0 * 3 * tokens * top_k * expert_bytes / bench_kernels.ELEM
+
+
+@requires_triton
+def test_router_rows_run_both_ways(monkeypatch):
+    monkeypatch.setattr(bench_kernels, "graphed", lambda fn: fn)
+    x = torch.randn(2, 32, device=DEVICE)
+    router_weight = torch.randn(8, 32, device=DEVICE)
+    rows = bench_kernels.router_cases(x, router_weight, 2)
+    assert [row[0] for row in rows] == [
+        "moe router + route + group T=2",
+        "moe router, then route + group T=2",
+    ]
+    for _, run_triton, run_ref, moved, flops in rows:
+        run_triton()
+        run_ref()
+        assert moved == (8 * 32 + 2 * 32) * bench_kernels.ELEM
+        assert flops == 2.0 * 2 * 32 * 8

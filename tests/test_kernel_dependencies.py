@@ -109,6 +109,17 @@ for tokens, pairs, blocks, warps in ((1, 8, 8, 1), (8, 64, 64, 4)):
              "stride_logits": i32},
              dict(route, BLOCK_T=tokens, BLOCK_P=pairs, BLOCK_M=16, BLOCK_BLOCKS=blocks,
                   TAIL_CHUNK=256), warps)
+import kernels.moe_router_route as router_route
+for tokens, pairs, blocks, warps, tile in ((1, 8, 8, 1, 2048), (8, 64, 64, 4, 1024)):
+    compiles(router_route._router_route_kernel, {"x_ptr": "*bf16", "router_w_ptr": "*bf16",
+             "in_sums_ptr": "*fp32", "logits_ptr": "*bf16", "counter_ptr": "*i32",
+             "weights_ptr": "*fp32", "experts_ptr": "*i32", "sorted_pairs_ptr": "*i32",
+             "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "num_tokens": i32,
+             "max_padded": i32, "hidden": i32, "stride_x_row": i32, "stride_w_row": i32,
+             "num_in_groups": i32, "eps": "fp32"},
+             dict(route, NORMED=True, IN_GROUPS=32, TILE_K=tile, PREFETCH_TILES=2, BLOCK_T=tokens,
+                  BLOCK_P=pairs, BLOCK_M=16, BLOCK_BLOCKS=blocks, TAIL_CHUNK=256,
+                  W_EVICT="evict_first"), warps)
 compiles(grouping._count_kernel, {"experts_ptr": "*i32", "counts_ptr": "*i32",
          "sorted_pairs_ptr": "*i32", "num_pairs": i32, "max_padded": i32},
          dict(NUM_EXPERTS=128, BLOCK_E=128, CHUNK_PAIRS=512, **pdl))

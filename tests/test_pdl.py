@@ -169,7 +169,7 @@ def test_every_launch_names_a_known_kernel():
         for call in re.findall(r"launch_successor\(\s*with_pdl,(.*?)\)", source.read_text(), re.S)
     ]
     names = {name for call in calls for name in re.findall(r'"(\w+)"', call)}
-    assert len(calls) == 16 and names == set(pdl.LAUNCHING_KERNELS)
+    assert len(calls) == 17 and names == set(pdl.LAUNCHING_KERNELS)
 
 
 def _attention_chain(state: dict[str, torch.Tensor], steps: int) -> torch.Tensor:

@@ -3,11 +3,14 @@ by their place in the step, and each part's floor; on CUDA, against a real profi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tools.bench_model import ModelShape, Roofline
 from tools.step_profile import (
     EXPERTS,
+    FUSED_ROUTER,
     GEMM,
     LM_HEAD,
     OTHER,
@@ -78,6 +81,7 @@ def test_kernel_names_map_to_parts():
     # Every kernel of the sparse MLP, whichever path ran it (kernels/sparse_mlp.py).
     import kernels.moe_grouping
     import kernels.moe_route_group
+    import kernels.moe_router_route
     import kernels.moe_routing
     import kernels.moe_sum
 
@@ -86,6 +90,7 @@ def test_kernel_names_map_to_parts():
         for module in (
             kernels.moe_grouping,
             kernels.moe_route_group,
+            kernels.moe_router_route,
             kernels.moe_routing,
             kernels.moe_sum,
         )
@@ -148,6 +153,60 @@ def test_adjacent_projections_are_told_apart():
     parts = label_kernels(kernels, SHAPE.num_layers)
     gemms = [p for k, p in zip(kernels, parts) if kernel_part(k.name) == GEMM]
     assert gemms == ["qkv", "o", "gate_up", "down"] * 2 + [LM_HEAD]
+
+
+def moe_shape() -> ModelShape:
+    return dataclasses.replace(
+        SHAPE,
+        architecture="Qwen3MoeForCausalLM",
+        intermediate_size=0,
+        num_experts=8,
+        experts_per_token=2,
+        expert_intermediate_size=32,
+        num_sparse_layers=SHAPE.num_layers,
+    )
+
+
+@pytest.mark.parametrize("fused_router", [False, True])
+def test_sparse_layers_name_their_projections_and_the_router(fused_router):
+    # A sparse layer at decode rows: qkv, o, then the router's GEMV and the routing kernel,
+    # or the router ending in the routing (kernels/moe_router_route.py), then the experts.
+    router = (
+        [("_router_route_kernel", 4.0)]
+        if fused_router
+        else [("_gemv_kernel", 2.0), ("_route_pairs_kernel", 2.5)]
+    )
+    layer = [
+        ("_gemv_kernel", 8.0),
+        ("_rotary_kernel", 1.0),
+        ("_decode_split_kernel", 6.0),
+        ("_gemv_kernel", 6.0),
+        *router,
+        ("_grouped_gemm_kernel", 20.0),
+        ("_grouped_gemm_kernel", 10.0),
+        ("_sum_add_square_kernel", 1.0),
+    ]
+    kernels, clock = [], 0.0
+    for _ in range(3):
+        for name, duration in layer * 2 + [("_gemv_kernel", 40.0)]:
+            kernels.append(Kernel(name, clock, duration))
+            clock += duration + 0.5
+    shape = moe_shape()
+    result = breakdown(kernels, 3, shape, ROOF, [100])
+    parts = {p["part"]: p for p in result["parts"]}
+    assert parts["qkv"]["us_per_step"] == pytest.approx(16.0)
+    assert parts["o"]["us_per_step"] == pytest.approx(12.0)
+    assert parts[LM_HEAD]["us_per_step"] == pytest.approx(40.0)
+    assert parts[EXPERTS]["us_per_step"] == pytest.approx(60.0)
+    router_floor = part_floors_us(shape, ROOF, [100])["router"]
+    if fused_router:
+        assert "router" not in parts
+        assert parts[FUSED_ROUTER]["us_per_step"] == pytest.approx(8.0)
+        assert parts[FUSED_ROUTER]["floor_us_per_step"] == pytest.approx(router_floor)
+    else:
+        assert FUSED_ROUTER not in parts
+        assert parts["router"]["us_per_step"] == pytest.approx(4.0)
+        assert parts["router"]["floor_us_per_step"] == pytest.approx(router_floor)
 
 
 def test_runs_that_do_not_fit_the_step_stay_unnamed():

@@ -37,6 +37,9 @@ from tools.bench_model import ModelShape, Roofline
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # A mixture of experts' layer: the router is its third projection; the experts run grouped.
 MOE_PROJECTIONS = ("qkv", "o", "router")
+# At decode rows the router's projection ends in the routing (kernels/moe_router_route.py):
+# the layer's projections are then qkv and o, and the router's weight is that kernel's floor.
+FUSED_ROUTER = "moe router + routing + grouping"
 EXPERTS = "experts (grouped GEMMs)"
 LM_HEAD = "lm_head"
 GEMM = "gemm"
@@ -74,6 +77,8 @@ class Kernel:
 
 _MOE_PARTS = (
     ("_grouped_gemm_kernel", EXPERTS),
+    # Before "_route_kernel", a part of its name.
+    ("_router_route_kernel", FUSED_ROUTER),
     ("_route_kernel", "moe routing + grouping"),
     ("_group_kernel", "moe routing + grouping"),
     ("_route_pairs_kernel", "moe routing + grouping"),
@@ -160,6 +165,8 @@ def label_kernels(
 ) -> list[str]:
     """Each kernel's part; GEMM runs named by their place in the step where they fit."""
     parts = [kernel_part(k.name) for k in kernels]
+    if tuple(projections) == MOE_PROJECTIONS and FUSED_ROUTER in parts:
+        projections = MOE_PROJECTIONS[:2]
     runs: list[list[int]] = []
     for i, part in enumerate(parts):
         if part != GEMM:
@@ -259,6 +266,8 @@ def breakdown(
     gaps = idle_gaps(kernels)
     if floors is None:
         floors = part_floors_us(shape, roof, context_lens) if roof is not None else {}
+        if FUSED_ROUTER in totals and "router" in floors:
+            floors[FUSED_ROUTER] = floors.pop("router")
     rows = [
         {
             "part": part,

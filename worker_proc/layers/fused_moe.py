@@ -85,18 +85,19 @@ class FusedMoE(nn.Module):
     def forward_add_norm(
         self,
         x: torch.Tensor | kernels.PendingNorm,
-        router_logits: torch.Tensor,
+        router_weight: torch.Tensor,
         residual: torch.Tensor,
         norm: RMSNorm,
     ) -> tuple[torch.Tensor | kernels.PendingNorm, torch.Tensor]:
-        """``(norm(self(x) + residual), self(x) + residual)``. On one rank the experts' sum
-        ends in the add and the norm, which at decode rows is left pending; shards add after
-        their all-reduce."""
+        """``(norm(self(x) + residual), self(x) + residual)``, routed by the router's
+        projection ``x @ router_weight.T``. On one rank the experts' sum ends in the add and
+        the norm, which at decode rows is left pending, and there the router's projection
+        ends in the routing; shards add after their all-reduce."""
         if self.tp_size > 1:
-            return norm(self(x, router_logits), residual)
-        return kernels.moe_mlp_add_rms_norm(
+            return norm(self(x, kernels.linear(x, router_weight)), residual)
+        return kernels.moe_layer_add_rms_norm(
             x,
-            router_logits,
+            router_weight,
             self.w13,
             self.w2,
             self.top_k,

@@ -61,7 +61,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         """``(norm(moe + residual), moe + residual)``; the norm may be left pending."""
         # A pending norm (kernels/pending_norm.py) is applied by the router's projection and
         # by the experts' first GEMM as each reads it.
-        return self.experts.forward_add_norm(x, self.gate(x), residual, norm)
+        return self.experts.forward_add_norm(x, self.gate.weight, residual, norm)
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
