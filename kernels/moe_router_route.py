@@ -11,7 +11,8 @@ logit rounded to the input's dtype, as the GEMV's output is, and counts in; the 
 to arrive routes every token and lays the pairs out in registers
 (``moe_route_group.group_pairs``), the register kernel's work on the same logits.
 
-``PEGAINFER_MOE_FUSED_ROUTER=0`` runs the router's GEMV and the register kernel instead.
+It runs above ``FUSED_MIN_PAIRS`` pairs. ``PEGAINFER_MOE_FUSED_ROUTER=0`` runs the router's
+GEMV and the register kernel instead at every batch, ``=1`` this kernel from one pair.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ tl = None  # bound to triton.language by kernels.backend.load_triton()
 
 # Input elements a thread holds a K tile: the tile is as wide as that allows.
 _ELEMENTS_PER_THREAD = 64
+# Pairs up to which the router's GEMV and the register kernel run apart instead. On an H100
+# (Qwen3-30B-A3B's shape, 16 layers, in-process decode steps alternated twice) fusing took 4
+# and 8 rows from 2.50 / 3.66 to 2.46 / 3.65 ms a step, 2 rows stayed at 1.70-1.71, and 1 row
+# went from 1.19 to 1.21: there the arrival's atomic and the last program's routing cost
+# more than the launch they save (tools/MEASUREMENTS.md).
+FUSED_MIN_PAIRS = 16
 # K tiles read before the PDL wait (at Qwen3-30B-A3B's hidden size of 2,048, the whole row
 # from one to eight tokens).
 _PREFETCH_TILES = 2
@@ -138,11 +145,13 @@ def _router_route_kernel(
 
 
 def router_fused(num_tokens: int, top_k: int) -> bool:
-    """Whether ``router_route_and_group_triton`` takes these tokens
-    (``PEGAINFER_MOE_FUSED_ROUTER=0``: never)."""
-    if os.environ.get("PEGAINFER_MOE_FUSED_ROUTER", "1") == "0":
+    """Whether ``router_route_and_group_triton`` takes these tokens: above
+    ``FUSED_MIN_PAIRS`` pairs, up to the register kernel's. ``PEGAINFER_MOE_FUSED_ROUTER=0``:
+    never; ``=1``: from one pair."""
+    setting = os.environ.get("PEGAINFER_MOE_FUSED_ROUTER")
+    if setting == "0" or not moe_route_group.pairs_in_registers(num_tokens, top_k):
         return False
-    return moe_route_group.pairs_in_registers(num_tokens, top_k)
+    return setting == "1" or num_tokens * top_k > FUSED_MIN_PAIRS
 
 
 def router_tile_k(num_tokens: int, hidden: int, num_warps: int) -> int:
@@ -176,7 +185,7 @@ def router_route_and_group_triton(
     inputs = normed.weighted if normed is not None else x
     num_tokens, hidden = inputs.shape
     num_experts = router_weight.shape[0]
-    if not router_fused(num_tokens, top_k):
+    if not moe_route_group.PAIRS_IN_REGISTERS >= num_tokens * top_k > 0:
         raise ValueError(f"{num_tokens} tokens of top {top_k} are too many pairs for one program")
     if router_weight.shape[1] != hidden:
         raise ValueError(f"router weight {tuple(router_weight.shape)} for inputs of {hidden}")
