@@ -19,19 +19,24 @@ the norm is a row scale, so it commutes with the product.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
-from kernels import pdl, pending_norm
+from kernels import moe_sum, pdl, pending_norm
 from kernels.backend import (
     cdiv,
     dot_needs_fp32,
     load_triton,
+    next_power_of_2,
     triton_jit,
     use_pdl,
     use_triton,
 )
 from kernels.moe_grouping import MoeGroups, moe_group
+from kernels.moe_sum import SumInDown
 from kernels.pending_norm import PendingNorm
 
 tl = None  # bound to triton.language by kernels.backend.load_triton()
@@ -90,6 +95,13 @@ def _grouped_gemm_kernel(
     num_norm_groups,
     stride_sums,
     eps,
+    counters_ptr,
+    residual_ptr,
+    norm_weight_ptr,
+    new_residual_ptr,
+    weighted_ptr,
+    out_sums_ptr,
+    num_tokens,
     A_ROW_DIVISOR: tl.constexpr,
     NORM_GROUPS: tl.constexpr,
     GATED: tl.constexpr,
@@ -101,34 +113,66 @@ def _grouped_gemm_kernel(
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
+    EARLY_TILE: tl.constexpr = False,
+    SUM_TOP_K: tl.constexpr = 0,
+    SUM_BLOCK_T: tl.constexpr = 1,
 ):
     # ``GATED``: out = silu(a @ w[:N]^T) * (a @ w[N:2N]^T), a's rows are tokens (pair //
     # top_k). Otherwise out = (a @ w^T) * pair weight, a's rows are pairs; out is float32.
     # ``NORM_GROUPS`` > 0: ``a`` is a pending norm's weighted stream, its rows scaled by
     # 1 / rms from ``square_sums`` before the activation.
-    pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
+    # ``EARLY_TILE``: the layout and the first weight tile are read before the PDL wait. Only
+    # for a GEMM whose layout was written two kernels back (the second, after the first):
+    # its predecessor's programs have all passed their own wait, so that grouping is done.
+    # ``SUM_TOP_K`` > 0: the plain GEMM ends in the pending-norm sum over each token's
+    # experts (``moe_sum.sum_tile_when_last``); its feature tiles are the norm's slices.
+    tl.static_assert(not (EARLY_TILE and GATED), "the early tile is the plain GEMM's")
+    if not EARLY_TILE:
+        pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     block = pid // num_n_blocks
     n_block = pid % num_n_blocks
-    if block * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    # The three loads go out together, before the exit's branch waits on the first: every
+    # block's entries exist, used or not, and an unused block reads no weight.
+    num_padded = tl.load(num_padded_ptr)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
     pairs = tl.load(sorted_pairs_ptr + rows)
+    if block * BLOCK_M >= num_padded:
+        return
     valid = pairs < num_pairs
     a_rows = (pairs // A_ROW_DIVISOR).to(tl.int64)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     w_expert = w_ptr + expert * stride_we
+    first_k = 0
+    if EARLY_TILE:
+        w_first = tl.load(
+            w_expert + cols[:, None] * stride_wn + ks[None, :],
+            mask=col_ok[:, None] & (ks < K)[None, :],
+            other=0.0,
+        )
+        pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
+        first_k = BLOCK_K
     if NORM_GROUPS > 0:
         square_sums = pending_norm.load_square_sums(
             square_sums_ptr, a_rows, valid, num_norm_groups, stride_sums, NORM_GROUPS
         )
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if EARLY_TILE:
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_a + ks[None, :],
+            mask=valid[:, None] & (ks < K)[None, :],
+            other=0.0,
+        )
+        if FP32_DOT:
+            a = a.to(tl.float32)
+            w_first = w_first.to(tl.float32)
+        acc += tl.dot(a, tl.trans(w_first), input_precision=PRECISION)
+    for k0 in range(first_k, K, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
         a = tl.load(
@@ -169,6 +213,26 @@ def _grouped_gemm_kernel(
         if WEIGHTED:
             acc = acc * tl.load(pair_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
         tl.store(out_at, acc, mask=out_mask)
+        if SUM_TOP_K > 0:
+            moe_sum.sum_tile_when_last(
+                out_ptr,
+                counters_ptr + n_block,
+                num_padded // BLOCK_M,
+                residual_ptr,
+                norm_weight_ptr,
+                new_residual_ptr,
+                weighted_ptr,
+                out_sums_ptr,
+                num_tokens,
+                N,
+                n_block,
+                num_n_blocks,
+                cols,
+                col_ok,
+                SUM_TOP_K,
+                SUM_BLOCK_T,
+                BLOCK_N,
+            )
 
 
 # Shared memory of an sm_90 SM a program may take (H100 and H200).
@@ -215,6 +279,9 @@ def _grouped_gemm(
     block_k: int,
     warps: int,
     normed: PendingNorm | None = None,
+    early_tile: bool = False,
+    sum_into: SumInDown | None = None,
+    top_k: int = 0,
 ) -> None:
     num_blocks = groups.block_expert.shape[0]
     grid = (num_blocks * cdiv(n, block_n),)
@@ -238,6 +305,19 @@ def _grouped_gemm(
         normed.num_groups if normed is not None else 0,
         normed.square_sums.stride(0) if normed is not None else 0,
         normed.eps if normed is not None else 0.0,
+        *(
+            (
+                sum_into.counters,
+                sum_into.residual,
+                sum_into.norm_weight,
+                sum_into.new_residual,
+                sum_into.weighted,
+                sum_into.square_sums,
+                sum_into.residual.shape[0],
+            )
+            if sum_into is not None
+            else (out, out, out, out, out, out, 0)
+        ),
         A_ROW_DIVISOR=a_row_divisor,
         NORM_GROUPS=normed.groups_block if normed is not None else 0,
         GATED=pair_weights is None,
@@ -250,10 +330,27 @@ def _grouped_gemm(
         PRECISION="ieee" if a.dtype == torch.float32 or dot_needs_fp32(a.dtype) else "tf32",
         USE_PDL=with_pdl,
         LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "moe_grouped_gemm"),
+        EARLY_TILE=early_tile,
+        SUM_TOP_K=top_k if sum_into is not None else 0,
+        SUM_BLOCK_T=next_power_of_2(sum_into.residual.shape[0]) if sum_into is not None else 1,
         num_warps=warps,
         num_stages=3,
         **pdl.launch_options(with_pdl),
     )
+
+
+# Whether the down GEMM reads its layout and first weight tile before its PDL wait: off
+# until measured on a GPU. ``PEGAINFER_MOE_DOWN_EARLY_TILE`` (0 or 1) replaces it.
+DOWN_EARLY_TILE = False
+
+
+@functools.cache
+def down_early_tile() -> bool:
+    """``DOWN_EARLY_TILE``, or ``PEGAINFER_MOE_DOWN_EARLY_TILE`` where set (read once)."""
+    setting = os.environ.get("PEGAINFER_MOE_DOWN_EARLY_TILE", str(int(DOWN_EARLY_TILE)))
+    if setting not in ("0", "1"):
+        raise ValueError(f"PEGAINFER_MOE_DOWN_EARLY_TILE must be 0 or 1, got {setting!r}")
+    return setting == "1"
 
 
 def experts_per_pair(
@@ -264,9 +361,11 @@ def experts_per_pair(
     groups: MoeGroups,
     tiles: tuple[int, int, int, int],
     normed: PendingNorm | None = None,
+    sum_into: SumInDown | None = None,
 ) -> torch.Tensor:
     """Each pair's weighted expert output, ``[T, top_k, H]`` float32; ``x`` is ``normed``'s
-    weighted stream where given."""
+    weighted stream where given. With ``sum_into`` the down GEMM also writes the tokens' sum
+    with the residual and its pending norm there (``moe_sum.sums_in_down`` says when)."""
     num_tokens, hidden = x.shape
     top_k = topk_weights.shape[1]
     num_pairs = num_tokens * top_k
@@ -290,7 +389,20 @@ def experts_per_pair(
     per_pair = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(
-        activation, w2, per_pair, groups, num_pairs, hidden, 1, weights, block_n, block_k, warps
+        activation,
+        w2,
+        per_pair,
+        groups,
+        num_pairs,
+        hidden,
+        1,
+        weights,
+        block_n,
+        block_k,
+        warps,
+        early_tile=down_early_tile(),
+        sum_into=sum_into,
+        top_k=top_k,
     )
     return per_pair.view(num_tokens, top_k, hidden)
 

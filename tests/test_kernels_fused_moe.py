@@ -22,6 +22,7 @@ from triton_test_util import (
     requires_triton,
 )
 
+import kernels.fused_moe as fused_moe_module
 from kernels.fused_moe import (
     SHARED_MEMORY_BYTES,
     fused_moe,
@@ -36,6 +37,7 @@ from kernels.moe_route_group import (
 from kernels.moe_routing import moe_route_ref
 from kernels.moe_sum import (
     SLICE_FEATURES,
+    SUM_IN_DOWN_MAX_TOKENS,
     moe_sum_add_pending_norm_triton,
     moe_sum_add_rms_norm_ref,
     moe_sum_add_rms_norm_triton,
@@ -139,6 +141,73 @@ def test_sparse_mlp_takes_and_leaves_a_pending_norm(tokens, dtype, monkeypatch):
 
 
 @requires_triton
+@pytest.mark.parametrize("dtype", PENDING_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_down_gemm_ending_in_the_sum_equals_the_sum_kernel(tokens, dtype, monkeypatch):
+    """The down GEMM's last program of each feature tile sums the tokens' experts, adds the
+    residual and writes the tile's slot: the sum kernel's outputs, twice in a row (its
+    counters reset)."""
+    import kernels.sparse_mlp as sparse_mlp
+
+    hidden, inter, experts, top_k = (2048, 768, 128, 8) if CUDA else (128, 24, 6, 2)
+    g = gen(tokens + 61)
+    w13 = randn(experts, 2 * inter, hidden, g=g, dtype=dtype, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inter, g=g, dtype=dtype, scale=inter**-0.5)
+    weight = randn(hidden, g=g, dtype=dtype, scale=0.1) + 1.0
+    monkeypatch.setattr(sparse_mlp, "use_triton", lambda t: True)
+    for call in range(2):
+        pending, _ = pending_input(tokens, hidden, dtype, tokens + 62 + call)
+        logits = distinct_logits(tokens, experts, tokens + call)
+        residual = randn(tokens, hidden, g=g, dtype=dtype)
+        outputs = {}
+        for folded in (False, True):
+            monkeypatch.setattr(sparse_mlp, "sums_in_down", lambda *_, f=folded: f)
+            with poisoned():
+                outputs[folded] = moe_mlp_add_rms_norm(
+                    pending, logits, w13, w2, top_k, True, residual, weight, 1e-6
+                )[0]
+        apart, folded = outputs[False], outputs[True]
+        what = f"{tokens} tokens {dtype}, call {call}"
+        assert isinstance(folded, PendingNorm), what
+        assert torch.equal(folded.hidden, apart.hidden), what
+        assert torch.equal(folded.weighted, apart.weighted), what
+        torch.testing.assert_close(
+            folded.square_sums, apart.square_sums, rtol=1e-5, atol=1e-6, msg=what
+        )
+
+
+@pytest.mark.parametrize(
+    "setting,tokens,hidden,block_n,want",
+    [
+        ("8", 1, 2048, 64, True),
+        ("8", 8, 2048, 64, True),
+        ("8", 9, 2048, 64, False),
+        ("8", 1, 2048, 128, False),  # tiles other than the norm's slices
+        ("8", 1, 2000, 64, False),
+        ("0", 1, 2048, 64, False),
+        ("64", 64, 2048, 64, True),
+        ("64", 64, 2048, 128, False),
+        (None, 1, 2048, 64, SUM_IN_DOWN_MAX_TOKENS >= 1),
+    ],
+)
+def test_sum_in_down_rule(setting, tokens, hidden, block_n, want, monkeypatch):
+    from kernels import moe_sum
+
+    def check_value():
+        assert moe_sum.sums_in_down(tokens, hidden, block_n) is want
+
+    check_setting(
+        monkeypatch,
+        "PEGAINFER_MOE_SUM_IN_DOWN",
+        setting,
+        moe_sum.sum_in_down_max_tokens,
+        check_value,
+        bad="-1",
+        message="a token count",
+    )
+
+
+@requires_triton
 def test_rows_past_the_fused_limit_get_the_norm_applied(monkeypatch):
     """Past the rows whose consumers apply a pending norm (and with the fusion off), the sum
     normalizes whole rows itself."""
@@ -237,9 +306,14 @@ MOE_SHAPES = [(1, 64, 48, 8, 2), (6, 72, 40, 4, 2), (40, 64, 32, 8, 3)] + (
 
 
 @requires_triton
+@pytest.mark.parametrize("early_tile", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,hidden,inter,experts,top_k", MOE_SHAPES)
-def test_fused_moe_kernel_matches_reference(tokens, hidden, inter, experts, top_k, dtype):
+def test_fused_moe_kernel_matches_reference(
+    tokens, hidden, inter, experts, top_k, dtype, early_tile, monkeypatch
+):
+    """With the down GEMM's layout and first weight tile read before its wait and after."""
+    monkeypatch.setattr(fused_moe_module, "down_early_tile", lambda: early_tile)
     g = gen(tokens + hidden + inter)
     x = randn(tokens, hidden, g=g, dtype=dtype)
     w13 = randn(experts, 2 * inter, hidden, g=g, dtype=dtype, scale=hidden**-0.5)
@@ -284,6 +358,40 @@ def test_tiles_fit_shared_memory(tokens, dtype):
     assert tile_shared_bytes(tiles, size) <= SHARED_MEMORY_BYTES, (tiles, dtype)
     # The rule's own measure: Triton asked for 294,912 bytes for (16, 64, 256) in float32.
     assert tile_shared_bytes((16, 64, 256, 4), 4) == 294912
+
+
+def check_setting(monkeypatch, name, value, cached, check_value, bad="on", message="0 or 1"):
+    """``check_value()`` under ``name=value`` (unset for None), then a bad value refused."""
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+    cached.cache_clear()
+    try:
+        check_value()
+        monkeypatch.setenv(name, bad)
+        cached.cache_clear()
+        with pytest.raises(ValueError, match=f"{name} must be {message}"):
+            check_value()
+    finally:
+        cached.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "setting,early",
+    [(None, fused_moe_module.DOWN_EARLY_TILE), ("1", True), ("0", False)],
+)
+def test_down_early_tile_setting(setting, early, monkeypatch):
+    def check_value():
+        assert fused_moe_module.down_early_tile() is early
+
+    check_setting(
+        monkeypatch,
+        "PEGAINFER_MOE_DOWN_EARLY_TILE",
+        setting,
+        fused_moe_module.down_early_tile,
+        check_value,
+    )
 
 
 def test_dispatch_runs_the_reference_on_cpu():
