@@ -17,7 +17,8 @@
 #   bash tools/gpu_checks.sh shapes   # Qwen3-0.6B, 8B and 14B shapes (SHAPES="0.6b 8b" picks):
 #                                     # batch-1 latency and a served sweep of 1-32 rows each
 #   bash tools/gpu_checks.sh moe      # Qwen3-30B-A3B's shape (16 layers): MoE tests, kernels,
-#                                     # batch-1 latency, in-process steps with a profile
+#                                     # batch-1 latency, in-process steps with a profile,
+#                                     # the MoE settings still off against the default
 #   bash tools/gpu_checks.sh ab VAR   # batch-1 latency with VAR=0 against the default,
 #                                     # alternated (e.g. PEGAINFER_FUSED_GEMV, PEGAINFER_PDL)
 #
@@ -169,6 +170,12 @@ moe)
     --contexts 128,4096 --steps 128
   step moe_steps python3 -m tools.bench_throughput --model-path "$dir" --engine inprocess \
     --out "$out/moe" --batches 1,4,8,32,64,128 --output-len 64 --profile-batches 1,4
+  # The settings still off by default, alternated with the default in whole steps.
+  step moe_settings python3 -m tools.bench_ab --variant default: \
+    --variant early:PEGAINFER_MOE_DOWN_EARLY_TILE=1 \
+    --variant sum8:PEGAINFER_MOE_DOWN_EARLY_TILE=1,PEGAINFER_MOE_SUM_IN_DOWN=8 --rounds 2 \
+    --key batch --metric step_ms --out "$out/moe/settings" -- python3 -m tools.bench_throughput \
+    --model-path "$dir" --engine inprocess --batches 1,2,4,8 --output-len 32
   rm -rf "$dir"
   ;;
 ab)
