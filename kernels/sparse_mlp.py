@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.backend import load_triton, use_triton
-from kernels.fused_moe import experts_per_pair, fused_moe_ref, moe_tiles
+from kernels.fused_moe import experts_per_pair, fused_moe_ref
 from kernels.linear import linear
 from kernels.moe_grouping import MoeGroups
 from kernels.moe_route_group import moe_route_and_group_triton
@@ -29,6 +29,7 @@ from kernels.moe_sum import (
     moe_sum_add_rms_norm_triton,
     sums_in_down,
 )
+from kernels.moe_tiles import moe_tiles
 from kernels.pending_norm import PendingNorm, as_tensor
 from kernels.rmsnorm import fused_add_rms_norm_ref
 

@@ -63,6 +63,7 @@ from triton.compiler import ASTSource
 from kernels.backend import load_triton
 load_triton()
 import kernels.fused_moe as moe
+import kernels.moe_tiles as moe_tiles
 
 def shared(dtype, tiles, gated, norm_groups=0, early=False):
     block_m, block_n, block_k, warps = tiles
@@ -143,12 +144,12 @@ compiles(moe_sum._sum_add_square_kernel, {"per_pair_ptr": "*fp32", "residual_ptr
 rows = []
 for dtype, size in (("bf16", 2), ("fp32", 4)):
     for tokens in (1, 64, 1000):
-        tiles = moe.moe_tiles(tokens, size)
+        tiles = moe_tiles.moe_tiles(tokens, size)
         down = max(shared(dtype, tiles, False), shared(dtype, tiles, False, early=True))
         rows.append([dtype, tokens, list(tiles), shared(dtype, tiles, True), down])
         if dtype == "bf16" and tokens <= 64:  # a pending norm's stream, in decode's 16-bit
             rows.append([dtype, tokens, list(tiles), shared(dtype, tiles, True, 64), 0])
-print(json.dumps({"limit": moe.SHARED_MEMORY_BYTES, "rows": rows}))
+print(json.dumps({"limit": moe_tiles.SHARED_MEMORY_BYTES, "rows": rows}))
 """
 
 

@@ -1,7 +1,8 @@
-"""Mixture-of-experts kernels (kernels/fused_moe.py, moe_sum.py, sparse_mlp.py) against their
+"""The experts' grouped GEMMs (kernels/fused_moe.py) and the whole sparse MLP against their
 references, and the references against the plain definition: the weighted sum of each
-token's experts' gated MLPs. Routing and grouping are tests/test_kernels_moe_routing.py's.
-Fresh random inputs each run (seed in messages).
+token's experts' gated MLPs. Routing and grouping are tests/test_kernels_moe_routing.py's,
+the experts' sum tests/test_kernels_moe_sum.py's. Fresh random inputs each run (seed in
+messages).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from triton_test_util import (
     DEVICE,
     SEED,
     check,
+    check_setting,
     distinct_logits,
     gen,
     gpu_only,
@@ -23,226 +25,16 @@ from triton_test_util import (
 )
 
 import kernels.fused_moe as fused_moe_module
-from kernels.fused_moe import (
-    SHARED_MEMORY_BYTES,
-    fused_moe,
-    fused_moe_ref,
-    fused_moe_triton,
-    moe_tiles,
-    tile_shared_bytes,
-)
+import kernels.moe_tiles as moe_tiles_module
+from kernels.fused_moe import fused_moe, fused_moe_ref, fused_moe_triton
 from kernels.moe_route_group import (
     FUSED_ROUTING_MAX_TOKENS,
 )
 from kernels.moe_routing import moe_route_ref
-from kernels.moe_sum import (
-    SLICE_FEATURES,
-    SUM_IN_DOWN_MAX_TOKENS,
-    moe_sum_add_pending_norm_triton,
-    moe_sum_add_rms_norm_ref,
-    moe_sum_add_rms_norm_triton,
-)
+from kernels.moe_tiles import SHARED_MEMORY_BYTES, moe_tiles, tile_shared_bytes
 from kernels.pending_norm import PendingNorm
-from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.rmsnorm import fused_add_rms_norm_ref
 from kernels.sparse_mlp import moe_mlp, moe_mlp_add_rms_norm
-
-
-@requires_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "tokens,top_k,hidden", [(1, 2, 64), (5, 3, 100)] + ([(64, 8, 2048)] if CUDA else [])
-)
-def test_sum_add_rms_norm_kernel_matches_reference(tokens, top_k, hidden, dtype):
-    g = gen(tokens + top_k + hidden)
-    per_pair = randn(tokens, top_k, hidden, g=g, dtype=torch.float32)
-    residual = randn(tokens, hidden, g=g, dtype=dtype)
-    weight = randn(hidden, g=g, dtype=dtype, scale=0.1) + 1.0
-    with poisoned():
-        normed, new_residual = moe_sum_add_rms_norm_triton(per_pair, residual, weight, 1e-6)
-    want_normed, want_residual = moe_sum_add_rms_norm_ref(per_pair, residual, weight, 1e-6)
-    check(new_residual, want_residual, f"residual {tokens}x{top_k}x{hidden}")
-    check(normed, want_normed, f"normed {tokens}x{top_k}x{hidden}")
-
-
-# The pending norm is taken only by 16-bit kernels; the CPU interpreter truncates float32 to
-# bfloat16 where a GPU rounds, so there the tests use float16.
-PENDING_DTYPES = [torch.float16] + ([torch.bfloat16] if CUDA else [])
-
-
-@requires_triton
-@pytest.mark.parametrize("dtype", PENDING_DTYPES)
-@pytest.mark.parametrize(
-    "tokens,top_k,hidden", [(1, 2, 64), (3, 3, 600)] + ([(64, 8, 2048)] if CUDA else [])
-)
-def test_sum_add_pending_norm_matches_reference(tokens, top_k, hidden, dtype):
-    """The sum in slices of a row: the new residual, the weighted stream and each slice's
-    sum of squares, which together are the reference's norm."""
-    g = gen(tokens + top_k + hidden + 1)
-    per_pair = randn(tokens, top_k, hidden, g=g, dtype=torch.float32)
-    residual = randn(tokens, hidden, g=g, dtype=dtype)
-    weight = randn(hidden, g=g, dtype=dtype, scale=0.1) + 1.0
-    with poisoned():
-        pending = moe_sum_add_pending_norm_triton(per_pair, residual, weight, 1e-6)
-    want_normed, want_residual = moe_sum_add_rms_norm_ref(per_pair, residual, weight, 1e-6)
-    what = f"{tokens}x{top_k}x{hidden} {dtype}"
-    check(pending.hidden, want_residual, f"residual {what}")
-    stream = pending.hidden.float()
-    check(pending.weighted, (stream * weight.float()).to(dtype), f"weighted {what}")
-    squares = pending.square_sums.sum(dim=1)
-    torch.testing.assert_close(squares, (stream * stream).sum(dim=1), rtol=1e-5, atol=1e-5)
-    assert pending.num_groups == -(-hidden // SLICE_FEATURES)
-    check(pending.materialize(), want_normed, f"normed {what}")
-
-
-def pending_input(tokens: int, hidden: int, dtype: torch.dtype, offset: int):
-    """A PendingNorm as the o projection leaves it, and the norm it stands for (float32)."""
-    g = gen(offset)
-    per_pair = randn(tokens, 1, hidden, g=g, dtype=torch.float32)
-    residual = randn(tokens, hidden, g=g, dtype=dtype)
-    weight = randn(hidden, g=g, dtype=dtype, scale=0.2) + 1.0
-    pending = moe_sum_add_pending_norm_triton(per_pair, residual, weight, 1e-6)
-    return pending, rms_norm_ref(pending.hidden.float(), weight.float(), 1e-6)
-
-
-@requires_triton
-@pytest.mark.parametrize("dtype", PENDING_DTYPES)
-@pytest.mark.parametrize("tokens", [1, 5] + ([64] if CUDA else []))
-def test_sparse_mlp_takes_and_leaves_a_pending_norm(tokens, dtype, monkeypatch):
-    """A pending input norm is applied by the first grouped GEMM; at decode rows the output
-    norm is left pending, and it stands for the reference's."""
-    import kernels.sparse_mlp as sparse_mlp
-
-    hidden, inter, experts, top_k = (2048, 768, 128, 8) if CUDA else (80, 24, 6, 2)
-    g = gen(tokens + 31)
-    pending, normed = pending_input(tokens, hidden, dtype, tokens + 32)
-    w13 = randn(experts, 2 * inter, hidden, g=g, dtype=dtype, scale=hidden**-0.5)
-    w2 = randn(experts, hidden, inter, g=g, dtype=dtype, scale=inter**-0.5)
-    logits = distinct_logits(tokens, experts, tokens)
-    residual = randn(tokens, hidden, g=g, dtype=dtype)
-    weight = randn(hidden, g=g, dtype=dtype, scale=0.1) + 1.0
-    weights, chosen = moe_route_ref(logits.cpu(), top_k, True)
-    args = (w13.cpu().float(), w2.cpu().float(), weights, chosen)
-    want = fused_moe_ref(normed.cpu(), *args)
-    want_normed, want_residual = fused_add_rms_norm_ref(
-        want.to(dtype), residual.cpu(), weight.cpu(), 1e-6
-    )
-    monkeypatch.setattr(sparse_mlp, "use_triton", lambda t: True)
-    with poisoned():
-        out = moe_mlp(pending, logits, w13, w2, top_k, True)
-        got_normed, new_residual = moe_mlp_add_rms_norm(
-            pending, logits, w13, w2, top_k, True, residual, weight, 1e-6
-        )
-    what = f"{tokens} tokens {dtype}"
-    check(out.cpu(), want.to(dtype), f"experts of a pending norm, {what}")
-    assert isinstance(got_normed, PendingNorm), what
-    assert got_normed.hidden is new_residual
-    check(new_residual.cpu(), want_residual, f"residual, {what}")
-    check(got_normed.materialize().cpu(), want_normed, f"pending output norm, {what}")
-
-
-@requires_triton
-@pytest.mark.parametrize("dtype", PENDING_DTYPES)
-@pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_down_gemm_ending_in_the_sum_equals_the_sum_kernel(tokens, dtype, monkeypatch):
-    """The down GEMM's last program of each feature tile sums the tokens' experts, adds the
-    residual and writes the tile's slot: the sum kernel's outputs, twice in a row (its
-    counters reset)."""
-    import kernels.sparse_mlp as sparse_mlp
-
-    hidden, inter, experts, top_k = (2048, 768, 128, 8) if CUDA else (128, 24, 6, 2)
-    g = gen(tokens + 61)
-    w13 = randn(experts, 2 * inter, hidden, g=g, dtype=dtype, scale=hidden**-0.5)
-    w2 = randn(experts, hidden, inter, g=g, dtype=dtype, scale=inter**-0.5)
-    weight = randn(hidden, g=g, dtype=dtype, scale=0.1) + 1.0
-    monkeypatch.setattr(sparse_mlp, "use_triton", lambda t: True)
-    for call in range(2):
-        pending, _ = pending_input(tokens, hidden, dtype, tokens + 62 + call)
-        logits = distinct_logits(tokens, experts, tokens + call)
-        residual = randn(tokens, hidden, g=g, dtype=dtype)
-        outputs = {}
-        for folded in (False, True):
-            monkeypatch.setattr(sparse_mlp, "sums_in_down", lambda *_, f=folded: f)
-            with poisoned():
-                outputs[folded] = moe_mlp_add_rms_norm(
-                    pending, logits, w13, w2, top_k, True, residual, weight, 1e-6
-                )[0]
-        apart, folded = outputs[False], outputs[True]
-        what = f"{tokens} tokens {dtype}, call {call}"
-        assert isinstance(folded, PendingNorm), what
-        assert torch.equal(folded.hidden, apart.hidden), what
-        assert torch.equal(folded.weighted, apart.weighted), what
-        torch.testing.assert_close(
-            folded.square_sums, apart.square_sums, rtol=1e-5, atol=1e-6, msg=what
-        )
-
-
-@pytest.mark.parametrize(
-    "setting,tokens,hidden,block_n,want",
-    [
-        ("8", 1, 2048, 64, True),
-        ("8", 8, 2048, 64, True),
-        ("8", 9, 2048, 64, False),
-        ("8", 1, 2048, 128, False),  # tiles other than the norm's slices
-        ("8", 1, 2000, 64, False),
-        ("0", 1, 2048, 64, False),
-        ("64", 64, 2048, 64, True),
-        ("64", 64, 2048, 128, False),
-        (None, 1, 2048, 64, SUM_IN_DOWN_MAX_TOKENS >= 1),
-    ],
-)
-def test_sum_in_down_rule(setting, tokens, hidden, block_n, want, monkeypatch):
-    from kernels import moe_sum
-
-    def check_value():
-        assert moe_sum.sums_in_down(tokens, hidden, block_n) is want
-
-    check_setting(
-        monkeypatch,
-        "PEGAINFER_MOE_SUM_IN_DOWN",
-        setting,
-        moe_sum.sum_in_down_max_tokens,
-        check_value,
-        bad="-1",
-        message="a token count",
-    )
-
-
-@requires_triton
-def test_rows_past_the_fused_limit_get_the_norm_applied(monkeypatch):
-    """Past the rows whose consumers apply a pending norm (and with the fusion off), the sum
-    normalizes whole rows itself."""
-    import kernels.sparse_mlp as sparse_mlp
-
-    monkeypatch.setattr(sparse_mlp, "use_triton", lambda t: True)
-    hidden, inter, experts, top_k = 32, 16, 4, 2
-    g = gen(41)
-    w13 = randn(experts, 2 * inter, hidden, g=g, dtype=torch.float16, scale=hidden**-0.5)
-    w2 = randn(experts, hidden, inter, g=g, dtype=torch.float16, scale=inter**-0.5)
-    weight = torch.ones(hidden, dtype=torch.float16, device=DEVICE)
-
-    def normed_output(tokens: int):
-        x = randn(tokens, hidden, g=g, dtype=torch.float16)
-        logits = distinct_logits(tokens, experts, tokens)
-        residual = randn(tokens, hidden, g=g, dtype=torch.float16)
-        return moe_mlp_add_rms_norm(x, logits, w13, w2, top_k, True, residual, weight, 1e-6)[0]
-
-    assert isinstance(normed_output(2), PendingNorm)  # the sum kernel, in slices
-    assert isinstance(normed_output(65), torch.Tensor)
-    monkeypatch.setenv("PEGAINFER_NORM_FUSION", "0")
-    for tokens in (2, 6):
-        x = randn(tokens, hidden, g=g, dtype=torch.float16)
-        logits = distinct_logits(tokens, experts, tokens)
-        residual = randn(tokens, hidden, g=g, dtype=torch.float16)
-        normed, new_residual = moe_mlp_add_rms_norm(
-            x, logits, w13, w2, top_k, True, residual, weight, 1e-6
-        )
-        weights, chosen = moe_route_ref(logits.cpu(), top_k, True)
-        want = fused_moe_ref(x.cpu(), w13.cpu(), w2.cpu(), weights, chosen)
-        want_normed, want_residual = fused_add_rms_norm_ref(
-            want, residual.cpu(), weight.cpu(), 1e-6
-        )
-        check(new_residual.cpu(), want_residual, f"residual of {tokens} tokens, fusion off")
-        check(normed.cpu(), want_normed, f"norm of {tokens} tokens, fusion off")
 
 
 @requires_triton
@@ -360,36 +152,19 @@ def test_tiles_fit_shared_memory(tokens, dtype):
     assert tile_shared_bytes((16, 64, 256, 4), 4) == 294912
 
 
-def check_setting(monkeypatch, name, value, cached, check_value, bad="on", message="0 or 1"):
-    """``check_value()`` under ``name=value`` (unset for None), then a bad value refused."""
-    if value is None:
-        monkeypatch.delenv(name, raising=False)
-    else:
-        monkeypatch.setenv(name, value)
-    cached.cache_clear()
-    try:
-        check_value()
-        monkeypatch.setenv(name, bad)
-        cached.cache_clear()
-        with pytest.raises(ValueError, match=f"{name} must be {message}"):
-            check_value()
-    finally:
-        cached.cache_clear()
-
-
 @pytest.mark.parametrize(
     "setting,early",
-    [(None, fused_moe_module.DOWN_EARLY_TILE), ("1", True), ("0", False)],
+    [(None, moe_tiles_module.DOWN_EARLY_TILE), ("1", True), ("0", False)],
 )
 def test_down_early_tile_setting(setting, early, monkeypatch):
     def check_value():
-        assert fused_moe_module.down_early_tile() is early
+        assert moe_tiles_module.down_early_tile() is early
 
     check_setting(
         monkeypatch,
         "PEGAINFER_MOE_DOWN_EARLY_TILE",
         setting,
-        fused_moe_module.down_early_tile,
+        moe_tiles_module.down_early_tile,
         check_value,
     )
 

@@ -67,8 +67,8 @@ tests)
     tests/test_kernels_argmax.py tests/test_kernels_sampling_race.py
     tests/test_kernels_sampling_candidates.py tests/test_kernels_sampling_nucleus.py
     tests/test_kernels_top_candidates.py tests/test_kernels_embedding.py
-    tests/test_kernels_fused_moe.py tests/test_kernels_moe_routing.py
-    tests/test_kernels_moe_router.py tests/test_bench_kernels.py
+    tests/test_kernels_fused_moe.py tests/test_kernels_moe_sum.py
+    tests/test_kernels_moe_routing.py tests/test_kernels_moe_router.py tests/test_bench_kernels.py
     tests/test_kernels_decode_inputs.py tests/test_cuda_graphs.py tests/test_compile_ahead.py
     tests/test_overlap.py tests/test_sampler.py tests/test_worker_logprobs.py
     tests/test_step_profile.py tests/test_prefill_profile.py tests/test_pdl.py
@@ -161,7 +161,7 @@ moe)
   # and the in-process step against its roofline, with the batch-1 step's profile.
   dir="${TMPDIR:-/tmp}/qwen3-30b-a3b-random"
   step moe_tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels_fused_moe.py \
-    tests/test_kernels_moe_routing.py tests/test_kernels_moe_router.py tests/test_cuda_graphs.py \
+    tests/test_kernels_moe_sum.py tests/test_kernels_moe_routing.py tests/test_kernels_moe_router.py tests/test_cuda_graphs.py \
     tests/test_model_golden.py -k "moe or fused or graph_equals"
   step make_checkpoint_moe python3 -m tools.make_tiny_checkpoint --arch qwen3_moe \
     --preset 30b-a3b --num-layers "${MOE_LAYERS:-16}" --out "$dir"
