@@ -22,18 +22,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import moe_sum, pdl, pending_norm
+from kernels import pdl, pending_norm
 from kernels.backend import (
     cdiv,
     dot_needs_fp32,
     load_triton,
-    next_power_of_2,
     triton_jit,
     use_pdl,
     use_triton,
 )
 from kernels.moe_grouping import MoeGroups, moe_group
-from kernels.moe_sum import SumInDown
 from kernels.moe_tiles import down_early_tile, moe_tiles
 from kernels.pending_norm import PendingNorm
 
@@ -93,13 +91,6 @@ def _grouped_gemm_kernel(
     num_norm_groups,
     stride_sums,
     eps,
-    counters_ptr,
-    residual_ptr,
-    norm_weight_ptr,
-    new_residual_ptr,
-    weighted_ptr,
-    out_sums_ptr,
-    num_tokens,
     A_ROW_DIVISOR: tl.constexpr,
     NORM_GROUPS: tl.constexpr,
     GATED: tl.constexpr,
@@ -112,8 +103,6 @@ def _grouped_gemm_kernel(
     USE_PDL: tl.constexpr,
     LAUNCH_SUCCESSOR: tl.constexpr,
     EARLY_TILE: tl.constexpr = False,
-    SUM_TOP_K: tl.constexpr = 0,
-    SUM_BLOCK_T: tl.constexpr = 1,
 ):
     # ``GATED``: out = silu(a @ w[:N]^T) * (a @ w[N:2N]^T), a's rows are tokens (pair //
     # top_k). Otherwise out = (a @ w^T) * pair weight, a's rows are pairs; out is float32.
@@ -122,8 +111,6 @@ def _grouped_gemm_kernel(
     # ``EARLY_TILE``: the layout and the first weight tile are read before the PDL wait. Only
     # for a GEMM whose layout was written two kernels back (the second, after the first):
     # its predecessor's programs have all passed their own wait, so that grouping is done.
-    # ``SUM_TOP_K`` > 0: the plain GEMM ends in the pending-norm sum over each token's
-    # experts (``moe_sum.sum_tile_when_last``); its feature tiles are the norm's slices.
     tl.static_assert(not (EARLY_TILE and GATED), "the early tile is the plain GEMM's")
     if not EARLY_TILE:
         pdl.wait_for_inputs(USE_PDL, LAUNCH_SUCCESSOR)
@@ -211,26 +198,6 @@ def _grouped_gemm_kernel(
         if WEIGHTED:
             acc = acc * tl.load(pair_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
         tl.store(out_at, acc, mask=out_mask)
-        if SUM_TOP_K > 0:
-            moe_sum.sum_tile_when_last(
-                out_ptr,
-                counters_ptr + n_block,
-                num_padded // BLOCK_M,
-                residual_ptr,
-                norm_weight_ptr,
-                new_residual_ptr,
-                weighted_ptr,
-                out_sums_ptr,
-                num_tokens,
-                N,
-                n_block,
-                num_n_blocks,
-                cols,
-                col_ok,
-                SUM_TOP_K,
-                SUM_BLOCK_T,
-                BLOCK_N,
-            )
 
 
 def _grouped_gemm(
@@ -247,8 +214,6 @@ def _grouped_gemm(
     warps: int,
     normed: PendingNorm | None = None,
     early_tile: bool = False,
-    sum_into: SumInDown | None = None,
-    top_k: int = 0,
 ) -> None:
     num_blocks = groups.block_expert.shape[0]
     grid = (num_blocks * cdiv(n, block_n),)
@@ -272,19 +237,6 @@ def _grouped_gemm(
         normed.num_groups if normed is not None else 0,
         normed.square_sums.stride(0) if normed is not None else 0,
         normed.eps if normed is not None else 0.0,
-        *(
-            (
-                sum_into.counters,
-                sum_into.residual,
-                sum_into.norm_weight,
-                sum_into.new_residual,
-                sum_into.weighted,
-                sum_into.square_sums,
-                sum_into.residual.shape[0],
-            )
-            if sum_into is not None
-            else (out, out, out, out, out, out, 0)
-        ),
         A_ROW_DIVISOR=a_row_divisor,
         NORM_GROUPS=normed.groups_block if normed is not None else 0,
         GATED=pair_weights is None,
@@ -298,8 +250,6 @@ def _grouped_gemm(
         USE_PDL=with_pdl,
         LAUNCH_SUCCESSOR=pdl.launch_successor(with_pdl, "moe_grouped_gemm"),
         EARLY_TILE=early_tile,
-        SUM_TOP_K=top_k if sum_into is not None else 0,
-        SUM_BLOCK_T=next_power_of_2(sum_into.residual.shape[0]) if sum_into is not None else 1,
         num_warps=warps,
         num_stages=3,
         **pdl.launch_options(with_pdl),
@@ -314,11 +264,9 @@ def experts_per_pair(
     groups: MoeGroups,
     tiles: tuple[int, int, int, int],
     normed: PendingNorm | None = None,
-    sum_into: SumInDown | None = None,
 ) -> torch.Tensor:
     """Each pair's weighted expert output, ``[T, top_k, H]`` float32; ``x`` is ``normed``'s
-    weighted stream where given. With ``sum_into`` the down GEMM also writes the tokens' sum
-    with the residual and its pending norm there (``moe_sum.sums_in_down`` says when)."""
+    weighted stream where given."""
     num_tokens, hidden = x.shape
     top_k = topk_weights.shape[1]
     num_pairs = num_tokens * top_k
@@ -354,8 +302,6 @@ def experts_per_pair(
         block_k,
         warps,
         early_tile=down_early_tile(),
-        sum_into=sum_into,
-        top_k=top_k,
     )
     return per_pair.view(num_tokens, top_k, hidden)
 

@@ -14,14 +14,9 @@ The whole-row kernel ran one program a token, which at batch 1 is one SM reading
 
 from __future__ import annotations
 
-import functools
-import os
-from dataclasses import dataclass
-
 import torch
 
-from kernels import attention_merge, pdl, pending_norm
-from kernels.attention_merge import split_counters
+from kernels import pdl, pending_norm
 from kernels.backend import cdiv, load_triton, next_power_of_2, triton_jit, use_pdl
 from kernels.pending_norm import PendingNorm
 from kernels.rmsnorm import fused_add_rms_norm_ref
@@ -179,113 +174,3 @@ def moe_sum_add_pending_norm_triton(
             **pdl.launch_options(with_pdl),
         )
     return PendingNorm(new_residual, weight, eps, square_sums, weighted)
-
-
-# The most tokens whose sum the down GEMM's last programs take (``SumInDown``): each feature
-# tile's last program sums every token's experts over its features, alone. 0, none: not yet
-# measured on a GPU against the sum kernel. ``PEGAINFER_MOE_SUM_IN_DOWN`` replaces it.
-SUM_IN_DOWN_MAX_TOKENS = 0
-
-
-@dataclass(frozen=True)
-class SumInDown:
-    """Where the down GEMM (kernels/fused_moe.py) ends in the pending-norm sum itself: for
-    each tile of ``SLICE_FEATURES`` features, the last of its programs to arrive at the tile's
-    counter sums the tokens' experts there, adds the residual and writes the slice's slot,
-    which saves the sum's launch and its wait on the GEMM's end."""
-
-    residual: torch.Tensor
-    norm_weight: torch.Tensor
-    new_residual: torch.Tensor
-    weighted: torch.Tensor
-    square_sums: torch.Tensor
-    counters: torch.Tensor
-
-    @classmethod
-    def allocate(cls, residual: torch.Tensor, norm_weight: torch.Tensor) -> SumInDown:
-        num_tokens, hidden = residual.shape
-        residual = residual.contiguous()
-        num_slices = cdiv(hidden, SLICE_FEATURES)
-        return cls(
-            residual,
-            norm_weight,
-            torch.empty_like(residual),
-            torch.empty_like(residual),
-            torch.empty((num_tokens, num_slices), dtype=torch.float32, device=residual.device),
-            split_counters(num_slices, residual.device),
-        )
-
-    def pending(self, eps: float) -> PendingNorm:
-        return PendingNorm(
-            self.new_residual, self.norm_weight, eps, self.square_sums, self.weighted
-        )
-
-
-def sums_in_down(num_tokens: int, hidden: int, block_n: int) -> bool:
-    """Whether the down GEMM of these tokens ends in the sum: at most
-    ``sum_in_down_max_tokens()`` tokens, and feature tiles that are the pending norm's
-    slices."""
-    tiles_fit = block_n == SLICE_FEATURES and hidden % SLICE_FEATURES == 0
-    return num_tokens <= sum_in_down_max_tokens() and tiles_fit
-
-
-@functools.cache
-def sum_in_down_max_tokens() -> int:
-    """``SUM_IN_DOWN_MAX_TOKENS``, or ``PEGAINFER_MOE_SUM_IN_DOWN`` where set (read once)."""
-    setting = os.environ.get("PEGAINFER_MOE_SUM_IN_DOWN", str(SUM_IN_DOWN_MAX_TOKENS))
-    if not setting.isdigit():
-        raise ValueError(f"PEGAINFER_MOE_SUM_IN_DOWN must be a token count, got {setting!r}")
-    return int(setting)
-
-
-@triton_jit
-def sum_tile_when_last(
-    per_pair_ptr,
-    counter_ptr,
-    num_arrivals,
-    residual_ptr,
-    norm_weight_ptr,
-    new_residual_ptr,
-    weighted_ptr,
-    square_sums_ptr,
-    num_tokens,
-    hidden,
-    slice_index,
-    num_slices,
-    cols,
-    col_ok,
-    TOP_K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Count this program in at its feature tile's counter; the last of ``num_arrivals`` sums
-    every token's ``TOP_K`` float32 rows there in ``_sum_add_square_kernel``'s order, adds the
-    residual and writes the tile's new residual, weighted stream and slot."""
-    tokens = tl.arange(0, BLOCK_T)
-    token_ok = tokens < num_tokens
-    mask = token_ok[:, None] & col_ok[None, :]
-    offsets = tokens.to(tl.int64)[:, None] * hidden + cols[None, :]
-    if attention_merge.arrive_last(counter_ptr, num_arrivals):
-        tl.store(counter_ptr, 0)  # ready for the next launch (or graph replay)
-        residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0)
-        weight = tl.load(norm_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        rows = tokens.to(tl.int64)[:, None] * TOP_K
-        total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            # Past L1: the other programs wrote these rows from other SMs.
-            total += tl.load(
-                per_pair_ptr + (rows + j) * hidden + cols[None, :],
-                mask=mask,
-                other=0.0,
-                cache_modifier=".cg",
-            )
-        squares = pending_norm.add_loaded_residual_and_square(
-            total,
-            residual,
-            new_residual_ptr + offsets,
-            weight[None, :],
-            weighted_ptr + offsets,
-            mask,
-            1,
-        )
-        tl.store(square_sums_ptr + tokens * num_slices + slice_index, squares, mask=token_ok)

@@ -23,12 +23,7 @@ from kernels.moe_grouping import MoeGroups
 from kernels.moe_route_group import moe_route_and_group_triton
 from kernels.moe_router_route import router_fused, router_route_and_group_triton
 from kernels.moe_routing import moe_route_ref
-from kernels.moe_sum import (
-    SumInDown,
-    moe_sum_add_pending_norm_triton,
-    moe_sum_add_rms_norm_triton,
-    sums_in_down,
-)
+from kernels.moe_sum import moe_sum_add_pending_norm_triton, moe_sum_add_rms_norm_triton
 from kernels.moe_tiles import moe_tiles
 from kernels.pending_norm import PendingNorm, as_tensor
 from kernels.rmsnorm import fused_add_rms_norm_ref
@@ -76,7 +71,8 @@ def moe_layer_add_rms_norm(
         )
         return weights, groups
 
-    return _routed_add_norm(x, route, w13, w2, top_k, residual, norm_weight, eps)
+    per_pair = _routed_per_pair(x, route, w13, w2, top_k)
+    return _sum_add_norm(per_pair, residual, norm_weight, eps)
 
 
 def moe_mlp_add_rms_norm(
@@ -95,32 +91,17 @@ def moe_mlp_add_rms_norm(
     if not use_triton(router_logits):
         out = moe_mlp(x, router_logits, w13, w2, top_k, renormalize)
         return fused_add_rms_norm_ref(out, residual, norm_weight, eps)
-    route = _by_logits(router_logits, top_k, renormalize)
-    return _routed_add_norm(x, route, w13, w2, top_k, residual, norm_weight, eps)
+    per_pair = _routed_per_pair(x, _by_logits(router_logits, top_k, renormalize), w13, w2, top_k)
+    return _sum_add_norm(per_pair, residual, norm_weight, eps)
 
 
-def _routed_add_norm(
-    x: torch.Tensor | PendingNorm,
-    route: Router,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
+def _sum_add_norm(
+    per_pair: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
-    num_tokens, hidden = residual.shape
-    if not _leaves_norm_pending(num_tokens, residual):
-        per_pair = _routed_per_pair(x, route, w13, w2, top_k)
-        return moe_sum_add_rms_norm_triton(per_pair, residual, norm_weight, eps)
-    if sums_in_down(num_tokens, hidden, moe_tiles(num_tokens, residual.element_size())[1]):
-        sum_into = SumInDown.allocate(residual, norm_weight)
-        _routed_per_pair(x, route, w13, w2, top_k, sum_into)
-        normed = sum_into.pending(eps)
-    else:
-        per_pair = _routed_per_pair(x, route, w13, w2, top_k)
+    if _leaves_norm_pending(per_pair.shape[0], residual):
         normed = moe_sum_add_pending_norm_triton(per_pair, residual, norm_weight, eps)
-    return normed, normed.hidden
+        return normed, normed.hidden
+    return moe_sum_add_rms_norm_triton(per_pair, residual, norm_weight, eps)
 
 
 def _leaves_norm_pending(num_tokens: int, residual: torch.Tensor) -> bool:
@@ -153,7 +134,6 @@ def _routed_per_pair(
     w13: torch.Tensor,
     w2: torch.Tensor,
     top_k: int,
-    sum_into: SumInDown | None = None,
 ) -> torch.Tensor:
     num_experts = w13.shape[0]
     if top_k > num_experts:
@@ -168,4 +148,4 @@ def _routed_per_pair(
     tiles = moe_tiles(x.shape[0], x.element_size())
     load_triton()
     weights, groups = route(tiles[0])
-    return experts_per_pair(x, w13, w2, weights, groups, tiles, normed, sum_into)
+    return experts_per_pair(x, w13, w2, weights, groups, tiles, normed)

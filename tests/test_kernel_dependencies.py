@@ -71,15 +71,11 @@ def shared(dtype, tiles, gated, norm_groups=0, early=False):
            "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
            "pair_weights_ptr": "*fp32", "square_sums_ptr": "*fp32", "num_pairs": "i32",
            "N": "i32", "K": "i32", "stride_a": "i32", "stride_we": "i32", "stride_wn": "i32",
-           "stride_out": "i32", "num_norm_groups": "i32", "stride_sums": "i32", "eps": "fp32",
-           "counters_ptr": "*i32", "residual_ptr": f"*{dtype}", "norm_weight_ptr": f"*{dtype}",
-           "new_residual_ptr": f"*{dtype}", "weighted_ptr": f"*{dtype}", "out_sums_ptr": "*fp32",
-           "num_tokens": "i32"}
+           "stride_out": "i32", "num_norm_groups": "i32", "stride_sums": "i32", "eps": "fp32"}
     consts = dict(A_ROW_DIVISOR=8, NORM_GROUPS=norm_groups, GATED=gated, WEIGHTED=not gated, BLOCK_M=block_m,
                   BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=False,
                   PRECISION="ieee" if dtype == "fp32" else "tf32", USE_PDL=True,
-                  LAUNCH_SUCCESSOR=True, EARLY_TILE=early, SUM_TOP_K=8 if early else 0,
-                  SUM_BLOCK_T=8)
+                  LAUNCH_SUCCESSOR=True, EARLY_TILE=early)
     sig.update(dict.fromkeys(consts, "constexpr"))
     kernel = triton.compile(ASTSource(moe._grouped_gemm_kernel, sig, consts),
                             target=GPUTarget("cuda", 90, 32),

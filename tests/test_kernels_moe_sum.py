@@ -1,7 +1,7 @@
 """The experts' sum (kernels/moe_sum.py) and the sparse MLP around it (kernels/sparse_mlp.py)
 against their references: the weighted sum with the residual add and the norm, whole or left
-pending in slices, and the same sum folded into the down GEMM's end. The grouped GEMMs are
-tests/test_kernels_fused_moe.py's. Fresh random inputs each run (seed in messages).
+pending in slices. The grouped GEMMs are tests/test_kernels_fused_moe.py's. Fresh random
+inputs each run (seed in messages).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from triton_test_util import (
     CUDA,
     DEVICE,
     check,
-    check_setting,
     distinct_logits,
     gen,
     poisoned,
@@ -24,7 +23,6 @@ from kernels.fused_moe import fused_moe_ref
 from kernels.moe_routing import moe_route_ref
 from kernels.moe_sum import (
     SLICE_FEATURES,
-    SUM_IN_DOWN_MAX_TOKENS,
     moe_sum_add_pending_norm_triton,
     moe_sum_add_rms_norm_ref,
     moe_sum_add_rms_norm_triton,
@@ -125,73 +123,6 @@ def test_sparse_mlp_takes_and_leaves_a_pending_norm(tokens, dtype, monkeypatch):
     assert got_normed.hidden is new_residual
     check(new_residual.cpu(), want_residual, f"residual, {what}")
     check(got_normed.materialize().cpu(), want_normed, f"pending output norm, {what}")
-
-
-@requires_triton
-@pytest.mark.parametrize("dtype", PENDING_DTYPES)
-@pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_down_gemm_ending_in_the_sum_equals_the_sum_kernel(tokens, dtype, monkeypatch):
-    """The down GEMM's last program of each feature tile sums the tokens' experts, adds the
-    residual and writes the tile's slot: the sum kernel's outputs, twice in a row (its
-    counters reset)."""
-    import kernels.sparse_mlp as sparse_mlp
-
-    hidden, inter, experts, top_k = (2048, 768, 128, 8) if CUDA else (128, 24, 6, 2)
-    g = gen(tokens + 61)
-    w13 = randn(experts, 2 * inter, hidden, g=g, dtype=dtype, scale=hidden**-0.5)
-    w2 = randn(experts, hidden, inter, g=g, dtype=dtype, scale=inter**-0.5)
-    weight = randn(hidden, g=g, dtype=dtype, scale=0.1) + 1.0
-    monkeypatch.setattr(sparse_mlp, "use_triton", lambda t: True)
-    for call in range(2):
-        pending, _ = pending_input(tokens, hidden, dtype, tokens + 62 + call)
-        logits = distinct_logits(tokens, experts, tokens + call)
-        residual = randn(tokens, hidden, g=g, dtype=dtype)
-        outputs = {}
-        for folded in (False, True):
-            monkeypatch.setattr(sparse_mlp, "sums_in_down", lambda *_, f=folded: f)
-            with poisoned():
-                outputs[folded] = moe_mlp_add_rms_norm(
-                    pending, logits, w13, w2, top_k, True, residual, weight, 1e-6
-                )[0]
-        apart, folded = outputs[False], outputs[True]
-        what = f"{tokens} tokens {dtype}, call {call}"
-        assert isinstance(folded, PendingNorm), what
-        assert torch.equal(folded.hidden, apart.hidden), what
-        assert torch.equal(folded.weighted, apart.weighted), what
-        torch.testing.assert_close(
-            folded.square_sums, apart.square_sums, rtol=1e-5, atol=1e-6, msg=what
-        )
-
-
-@pytest.mark.parametrize(
-    "setting,tokens,hidden,block_n,want",
-    [
-        ("8", 1, 2048, 64, True),
-        ("8", 8, 2048, 64, True),
-        ("8", 9, 2048, 64, False),
-        ("8", 1, 2048, 128, False),  # tiles other than the norm's slices
-        ("8", 1, 2000, 64, False),
-        ("0", 1, 2048, 64, False),
-        ("64", 64, 2048, 64, True),
-        ("64", 64, 2048, 128, False),
-        (None, 1, 2048, 64, SUM_IN_DOWN_MAX_TOKENS >= 1),
-    ],
-)
-def test_sum_in_down_rule(setting, tokens, hidden, block_n, want, monkeypatch):
-    from kernels import moe_sum
-
-    def check_value():
-        assert moe_sum.sums_in_down(tokens, hidden, block_n) is want
-
-    check_setting(
-        monkeypatch,
-        "PEGAINFER_MOE_SUM_IN_DOWN",
-        setting,
-        moe_sum.sum_in_down_max_tokens,
-        check_value,
-        bad="-1",
-        message="a token count",
-    )
 
 
 @requires_triton
