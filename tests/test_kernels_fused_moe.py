@@ -15,7 +15,6 @@ from triton_test_util import (
     DEVICE,
     SEED,
     check,
-    check_setting,
     distinct_logits,
     gen,
     gpu_only,
@@ -157,16 +156,21 @@ def test_tiles_fit_shared_memory(tokens, dtype):
     [(None, moe_tiles_module.DOWN_EARLY_TILE), ("1", True), ("0", False)],
 )
 def test_down_early_tile_setting(setting, early, monkeypatch):
-    def check_value():
-        assert moe_tiles_module.down_early_tile() is early
-
-    check_setting(
-        monkeypatch,
-        "PEGAINFER_MOE_DOWN_EARLY_TILE",
-        setting,
-        moe_tiles_module.down_early_tile,
-        check_value,
-    )
+    """Unset it is the default; 0 or 1 chooses; anything else is refused (read once)."""
+    name, read = "PEGAINFER_MOE_DOWN_EARLY_TILE", moe_tiles_module.down_early_tile
+    if setting is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, setting)
+    read.cache_clear()
+    try:
+        assert read() is early
+        monkeypatch.setenv(name, "on")
+        read.cache_clear()
+        with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
+            read()
+    finally:
+        read.cache_clear()
 
 
 def test_dispatch_runs_the_reference_on_cpu():

@@ -89,23 +89,3 @@ def assert_same_cache(actual: torch.Tensor, expected: torch.Tensor, what: str) -
     written = ~expected.isnan()
     assert torch.equal(actual.isnan(), ~written), f"{what}: wrong slots written (seed {SEED})"
     check(actual[written], expected[written], what)
-
-
-def check_setting(
-    monkeypatch, name: str, value: str | None, cached, check_value, bad="on", message="0 or 1"
-) -> None:
-    """``check_value()`` under the kernel setting ``name=value`` (unset for None), then a bad
-    value refused; ``cached`` is the setting's cached reader."""
-    if value is None:
-        monkeypatch.delenv(name, raising=False)
-    else:
-        monkeypatch.setenv(name, value)
-    cached.cache_clear()
-    try:
-        check_value()
-        monkeypatch.setenv(name, bad)
-        cached.cache_clear()
-        with pytest.raises(ValueError, match=f"{name} must be {message}"):
-            check_value()
-    finally:
-        cached.cache_clear()
