@@ -14,7 +14,7 @@ Rules every kernel launched with PDL keeps, so that no overlap can race:
 - ``wait_for_inputs`` lets the next kernel launch only after this one's wait, so at most the
   predecessor is still running while a program is before its wait. What the kernel two back
   wrote has therefore landed, and may be read early too, as the MoE down GEMM reads the
-  grouping's layout with ``PEGAINFER_MOE_DOWN_EARLY_TILE=1`` (kernels/fused_moe.py).
+  grouping's layout (kernels/fused_moe.py, ``PEGAINFER_MOE_DOWN_EARLY_TILE``).
 
 Which kernels let their successor launch early is ``launches_successor_early``. By default
 all do but the GEMV of two rows that ends in the residual add (kernels/gemv.py), which lets

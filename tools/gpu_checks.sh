@@ -18,7 +18,7 @@
 #                                     # batch-1 latency and a served sweep of 1-32 rows each
 #   bash tools/gpu_checks.sh moe      # Qwen3-30B-A3B's shape (16 layers): MoE tests, kernels,
 #                                     # batch-1 latency, in-process steps with a profile,
-#                                     # the down GEMM's early tile (off) tested and timed
+#                                     # the down GEMM's early tile timed against its absence
 #   bash tools/gpu_checks.sh ab VAR   # batch-1 latency with VAR=0 against the default,
 #                                     # alternated (e.g. PEGAINFER_FUSED_GEMV, PEGAINFER_PDL)
 #
@@ -170,13 +170,9 @@ moe)
     --contexts 128,4096 --steps 128
   step moe_steps python3 -m tools.bench_throughput --model-path "$dir" --engine inprocess \
     --out "$out/moe" --batches 1,4,8,32,64,128 --output-len 64 --profile-batches 1,4
-  # The down GEMM's early tile, off by default: the model's MoE tests with it on, then it
-  # alternated with the default in whole steps.
-  step moe_tests_early_tile env PEGAINFER_MOE_DOWN_EARLY_TILE=1 python3 -m pytest -q -rs \
-    -p no:cacheprovider tests/test_kernels_fused_moe.py tests/test_kernels_moe_sum.py \
-    tests/test_cuda_graphs.py tests/test_model_golden.py -k "moe or fused or graph_equals"
+  # The down GEMM's early tile (on by default) alternated with its absence in whole steps.
   step moe_settings python3 -m tools.bench_ab --variant default: \
-    --variant early:PEGAINFER_MOE_DOWN_EARLY_TILE=1 --rounds 3 \
+    --variant no_early_tile:PEGAINFER_MOE_DOWN_EARLY_TILE=0 --rounds 3 \
     --key batch --metric step_ms --out "$out/moe/settings" -- python3 -m tools.bench_throughput \
     --model-path "$dir" --engine inprocess --batches 1,2,4,8 --output-len 32
   rm -rf "$dir"
