@@ -120,6 +120,20 @@ def test_a_server_error_counts_as_failed_and_a_client_error_as_refused():
     refused = _run_clients_against(400)
     assert refused.refused > 0 and refused.failed == 0
     assert refused.statuses == {400: refused.refused}
+    assert refused.refusals == {"400: status 400": refused.refused}
+
+
+def test_refusals_keep_each_message_up_to_a_limit():
+    counters = soak_mix.Counters()
+    counters.add_status(400, b'{"error": {"message": "max_tokens must be at least 1"}}')
+    counters.add_status(400, b'{"error": {"message": "max_tokens must be at least 1"}}')
+    counters.add_status(503, b"not json")
+    for n in range(2 * soak_mix.MAX_REFUSAL_REASONS):
+        counters.add_status(400, json.dumps({"error": {"message": f"value {n}"}}).encode())
+    assert counters.refused == 3 + 2 * soak_mix.MAX_REFUSAL_REASONS
+    assert len(counters.refusals) == soak_mix.MAX_REFUSAL_REASONS
+    assert counters.refusals["400: max_tokens must be at least 1"] == 2
+    assert counters.refusals["503: not json"] == 1
 
 
 _LAUNCHER = """

@@ -10,6 +10,8 @@ as a steady slope, while allocator noise does not. It fails on any lost request 
 two minutes after the load ends, or one the engine still holds (/metrics: running, waiting
 or awaited by the frontend) once every client is done; and, when it started the server, on
 any process of the tree still running 10 s after the launcher has exited on SIGTERM.
+The verdict counts the refused requests (4xx, and 503 while overloaded) by status and the
+error's message, so that a refusal the mix did not mean shows.
 
     python -m tools.soak --duration 600            # the 10-minute soak
     python -m tools.soak --duration 60 --warmup 20 # a quick look
@@ -316,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests_failed": counters.failed,
         "completion_tokens": counters.tokens,
         "statuses_not_200": {str(k): v for k, v in sorted(counters.statuses.items())},
+        "refusals": dict(sorted(counters.refusals.items(), key=lambda item: -item[1])),
         "processes_left_after_sigterm": orphans,
         "server_after_load": server_after,
         "rss_after_warmup_mib": round(judged[0][1], 1) if judged else None,

@@ -31,6 +31,8 @@ class Counters:
     failed: int = 0  # a 5xx other than 503, an error event, a broken connection, a hang
     tokens: int = 0
     statuses: dict[int, int] = field(default_factory=dict)  # of the responses that were not 200
+    # "400: <the error's message>" -> count, so that a verdict tells why requests were refused.
+    refusals: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
     def add(self, outcome: str, tokens: int = 0, error: str | None = None) -> None:
@@ -47,8 +49,24 @@ class Counters:
             self.statuses[status] = self.statuses.get(status, 0) + 1
         if status >= 500 and status != 503:
             self.add("failed", error=f"HTTP {status}: {body[:200].decode(errors='replace')}")
-        else:
-            self.add("refused")
+            return
+        reason = f"{status}: {refusal_message(body)}"
+        with self.lock:
+            if reason in self.refusals or len(self.refusals) < MAX_REFUSAL_REASONS:
+                self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        self.add("refused")
+
+
+MAX_REFUSAL_REASONS = 50  # distinct messages kept; a message that names a value varies
+
+
+def refusal_message(body: bytes) -> str:
+    """An error response's message (OpenAI's ``{"error": {"message": ...}}``), cut short."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body.decode(errors="replace")
+    return str(message)[:120]
 
 
 WEATHER_TOOL = {
