@@ -241,6 +241,7 @@ class EngineClient:
         self._queues[request_id] = queue
         self._unstarted.add(request_id)
         timing = _RequestTiming(request_id, request.arrival_time, self.metrics)
+        ended = False  # finished, failed or rejected: the consumer got the request's end
         try:
             if isinstance(request, TokenizedRequest):
                 ipc.send(self._to_scheduler, request)
@@ -249,16 +250,25 @@ class EngineClient:
             while True:
                 item = await queue.get()
                 if isinstance(item, _Failure):
-                    timing.failed("error")
+                    ended = True
+                    timing.ended_without_delta("error")
                     raise item.error
                 if isinstance(item, RequestRejected):
+                    ended = True
                     raise APIError.from_rejection(item)
                 self._unstarted.discard(request_id)
                 timing.arrived(item)
+                ended = item.finish_reason is not None
                 yield item
                 timing.account()
-                if item.finish_reason is not None:
+                if ended:
                     return
+        except (GeneratorExit, asyncio.CancelledError):
+            # The consumer left first (its client went away): the caller aborts the
+            # request, which then finishes as "abort" with nobody left to count it.
+            if not ended:
+                timing.ended_without_delta("abort")
+            raise
         finally:
             self._queues.pop(request_id, None)
             self._unstarted.discard(request_id)
@@ -370,7 +380,8 @@ class _RequestTiming:
             self.metrics.e2e_request_latency.observe(now - self.arrival)
             self.metrics.count_finished(delta.finish_reason)
 
-    def failed(self, reason: str) -> None:
+    def ended_without_delta(self, reason: str) -> None:
+        """The request ended (an engine failure, the consumer gone) with no delta saying so."""
         self.account()
         self.metrics.count_finished(reason)
 

@@ -76,13 +76,34 @@ def test_engine_client_round_trip(tmp_path):
             assert (info.value.status, info.value.message) == (400, "too long")
             assert engine.num_active == 0
 
-            # A consumer cancelled mid-request leaves no queue behind.
+            assert engine.metrics.finished == {"stop": 1}  # a rejection is no finish
+
+            # A consumer cancelled mid-request leaves no queue behind, and counts as aborted.
             third = asyncio.ensure_future(consume("c"))
             await recv(tokenizer, (GenerateRequest,))
             assert engine.num_active == 1
             third.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await third
+            assert engine.num_active == 0
+            assert engine.metrics.finished == {"stop": 1, "abort": 1}
+
+            # One that leaves right after its last delta counts as finished by it.
+            stream = engine.generate(generate_request("e"))
+            reading = asyncio.ensure_future(anext(stream))
+            await recv(tokenizer, (GenerateRequest,))
+            await detokenizer.send(protocol.encode(TextOutputs([text_delta("e", "z", "length")])))
+            assert (await asyncio.wait_for(reading, 5)).finish_reason == "length"
+            await stream.aclose()
+            assert engine.metrics.finished == {"stop": 1, "abort": 1, "length": 1}
+            # And one closed mid-stream, after a delta, counts as aborted.
+            stream = engine.generate(generate_request("f"))
+            reading = asyncio.ensure_future(anext(stream))
+            await recv(tokenizer, (GenerateRequest,))
+            await detokenizer.send(protocol.encode(TextOutputs([text_delta("f", "w")])))
+            assert (await asyncio.wait_for(reading, 5)).text == "w"
+            await stream.aclose()
+            assert engine.metrics.finished == {"stop": 1, "abort": 2, "length": 1}
             assert engine.num_active == 0
 
             engine.abort(["c", "d"])
