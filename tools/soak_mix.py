@@ -1,7 +1,8 @@
 """The soak test's request mix (tools/soak.py) and the clients that send it: completions,
 chats and responses (the Responses API), streamed or not, across the sampling paths, constraints and extensions a server
 keeps per-request state for; some cancelled halfway, some invalid on purpose. Each answer
-is counted as served, refused, cancelled or failed."""
+is counted as served, refused, cancelled or failed; a refusal of a request the mix meant to
+be served (a constraint refused where xgrammar cannot load, say) also counts as unexpected."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class Counters:
     lock: threading.Lock = field(default_factory=threading.Lock)
     ok: int = 0
     refused: int = 0  # 4xx on purpose, or 503 from overload
+    unexpected: int = 0  # of the refused: a 4xx to a request the mix meant to be served
     cancelled: int = 0
     failed: int = 0  # a 5xx other than 503, an error event, a broken connection, a hang
     tokens: int = 0
@@ -42,9 +44,10 @@ class Counters:
             if error and len(self.errors) < 20:
                 self.errors.append(error)
 
-    def add_status(self, status: int, body: bytes) -> None:
+    def add_status(self, status: int, body: bytes, refusable: bool = True) -> None:
         """A response that was not 200: refused when the server meant it (4xx, or 503 while
-        overloaded), failed when the server broke (any other 5xx)."""
+        overloaded), failed when the server broke (any other 5xx). A 4xx to a request that
+        is not ``refusable`` is a refusal the mix did not mean: unexpected as well."""
         with self.lock:
             self.statuses[status] = self.statuses.get(status, 0) + 1
         if status >= 500 and status != 503:
@@ -54,6 +57,10 @@ class Counters:
         with self.lock:
             if reason in self.refusals or len(self.refusals) < MAX_REFUSAL_REASONS:
                 self.refusals[reason] = self.refusals.get(reason, 0) + 1
+            if status != 503 and not refusable:
+                self.unexpected += 1
+                if len(self.errors) < 20:
+                    self.errors.append(f"unexpected refusal {reason}")
         self.add("refused")
 
 
@@ -82,6 +89,7 @@ WEATHER_TOOL = {
 # Structured output: each kind of constraint, and one that does not compile (a 400 from the
 # scheduler, after the request was accepted).
 NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+BROKEN_REGEX = "[0-9"
 CONSTRAINT_FIELDS = ("structured_outputs", "guided_regex", "response_format")
 CONSTRAINTS = (
     {"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
@@ -108,7 +116,7 @@ CONSTRAINTS = (
             "structures": [{"begin": "<call=f>", "schema": {"type": "object"}, "end": "</call>"}],
         }
     },
-    {"guided_regex": "[0-9"},
+    {"guided_regex": BROKEN_REGEX},
 )
 # vLLM's extensions: each keeps per-request state somewhere (the worker's edits, the
 # scheduler's bans, the prefix cache's salted roots).
@@ -167,6 +175,16 @@ def request_body(rng: random.Random) -> tuple[str, dict]:
     return "/v1/chat/completions", {"messages": messages, **common}
 
 
+def may_be_refused(body: dict) -> bool:
+    """Whether a 4xx is a right answer to this body: invalid on purpose, a constraint that
+    does not compile, or tools (which a chat template that takes none refuses)."""
+    return (
+        body.get("max_tokens") == -1
+        or body.get("guided_regex") == BROKEN_REGEX
+        or ("tools" in body)
+    )
+
+
 def client_loop(
     host: str, port: int, deadline: float, seed: int, counters: Counters, api_key: str | None
 ) -> None:
@@ -182,7 +200,7 @@ def client_loop(
             conn.request("POST", path, json.dumps(body), headers)
             response = conn.getresponse()
             if response.status != 200:
-                counters.add_status(response.status, response.read())
+                counters.add_status(response.status, response.read(), may_be_refused(body))
                 if response.status == 503:
                     time.sleep(1.0)
                 continue
