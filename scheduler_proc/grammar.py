@@ -29,6 +29,7 @@ from typing import Any
 from pegainfer.gc_control import GC_FREEZE_ENV
 from pegainfer.process import release_free_heap
 from pegainfer.protocol import StructuredOutput
+from scheduler_proc.grammar_install import unavailable_reason
 from scheduler_proc.lark import is_lark, lark_to_ebnf
 from scheduler_proc.repeat_unroll import unroll_ebnf, unroll_regex, unroll_schema_patterns
 
@@ -55,48 +56,6 @@ class CompilerBusy(RuntimeError):
 # Compiles abandoned at their deadline that may still run, each on a thread (and a core) of
 # its own, before new constraints are turned away.
 MAX_ABANDONED = 2
-
-
-def _unavailable_reason(exc: Exception) -> str:
-    """Why structured output cannot run here, for the log and each constrained request's 400."""
-    if isinstance(exc, ImportError):
-        missing = (exc.name or "").partition(".")[0]
-        if missing and missing != "xgrammar":
-            # Installed without its dependencies (``pip install --no-deps``, a wheel copied in).
-            return (
-                f"structured output needs the xgrammar package, which cannot import its "
-                f"dependency {missing!r} ({exc}); install xgrammar with its dependencies "
-                f"(`pip install 'xgrammar>=0.1.25'`) and restart"
-            )
-        return (
-            f"structured output needs the xgrammar package, which this server cannot import "
-            f"({exc}); install it with `pip install 'xgrammar>=0.1.25'` and restart"
-        )
-    return f"structured output is unavailable on this server: {type(exc).__name__}: {exc}"
-
-
-def missing_requirements(distribution: str = "xgrammar") -> list[str]:
-    """The requirements of an installed distribution that are not installed themselves
-    (all of it when it is missing), read from package metadata without importing anything:
-    the scheduler warns at start-up instead of at the first constrained request."""
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-
-    try:
-        requirements = metadata.requires(distribution) or []
-    except metadata.PackageNotFoundError:
-        return [distribution]
-    missing = []
-    for line in requirements:
-        requirement = Requirement(line)
-        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
-            continue
-        try:
-            metadata.version(requirement.name)
-        except metadata.PackageNotFoundError:
-            missing.append(requirement.name)
-    return missing
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -219,7 +178,7 @@ class GrammarCompiler:
                 try:
                     self._compiler = self._make_compiler()
                 except Exception as exc:
-                    self.unavailable = _unavailable_reason(exc)
+                    self.unavailable = unavailable_reason(exc)
                     logger.error("%s; every constrained request gets a 400", self.unavailable)
             if self.unavailable is not None:
                 raise GrammarError(self.unavailable)

@@ -25,7 +25,7 @@ from pegainfer.protocol import (
     TokenOutputs,
     encode,
 )
-from scheduler_proc.grammar import missing_requirements
+from scheduler_proc.grammar_install import missing_requirements
 from scheduler_proc.monitor import StatsPublisher, StepClock, StepWatchdog, engine_stats
 from scheduler_proc.output_extras import OutputExtras
 from scheduler_proc.scheduler import Scheduler

@@ -12,7 +12,8 @@ import pytest
 
 from pegainfer.config import read_model_info
 from pegainfer.protocol import StructuredOutput
-from scheduler_proc.grammar import GrammarCompiler, GrammarError, missing_requirements
+from scheduler_proc.grammar import GrammarCompiler, GrammarError
+from scheduler_proc.grammar_install import missing_requirements
 from scheduler_proc.scheduler import Scheduler
 from tests.scheduler_sim import make_config
 from tests.test_structured_output import request, settle
