@@ -179,9 +179,7 @@ def may_be_refused(body: dict) -> bool:
     """Whether a 4xx is a right answer to this body: invalid on purpose, a constraint that
     does not compile, or tools (which a chat template that takes none refuses)."""
     return (
-        body.get("max_tokens") == -1
-        or body.get("guided_regex") == BROKEN_REGEX
-        or ("tools" in body)
+        body.get("max_tokens") == -1 or body.get("guided_regex") == BROKEN_REGEX or "tools" in body
     )
 
 
