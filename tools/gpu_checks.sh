@@ -4,7 +4,7 @@
 # end lists each step's exit status.
 #
 #   bash tools/gpu_checks.sh tests    # GPU golden tests, Triton kernels, CUDA graphs, overlap
-#                                     # (SHARDS=3: three pytest processes at once)
+#                                     # (three pytest processes at once; SHARDS=N sets N)
 #   bash tools/gpu_checks.sh bench    # latency and throughput with step profiles, HF baseline,
 #                                     # kernels, linear layers, prefix TTFT
 #   bash tools/gpu_checks.sh serve    # startup time and memory, online serving load, a
@@ -79,9 +79,10 @@ tests)
     tests/test_min_tokens.py tests/test_kernels_token_bitmask.py tests/test_token_masks.py
     tests/test_bad_words.py tests/test_engine_extras.py tests/test_structured_output_runner.py
   )
-  # SHARDS=N runs the rest in N pytest processes at once, file by file in turn: most of the
-  # suite's time is Triton compiling on the CPU, which then spreads over the cores.
-  shards="${SHARDS:-1}"
+  # The rest runs in SHARDS pytest processes at once, file by file in turn: most of the suite's
+  # time is Triton compiling on the CPU, which then spreads over the cores. One process takes
+  # more than nine minutes on an H100, past a ten-minute call.
+  shards="${SHARDS:-3}"
   started=$SECONDS
   for ((i = 0; i < shards; i++)); do
     part=()
